@@ -1,0 +1,91 @@
+// dfss/attention.hpp: batched multi-head attention with dynamic N:M (DFSS) pruning.
+//
+// The function is fixed by dfss-semantics.md: S = Q K^T (+ bias, masks), in every aligned group of M
+// keys keep the N largest signed scores (ties to the lower key index), softmax(scale * S_kept), P V.
+// Layout: Q [B, Lq, H, d], K and V [B, Lk, Hkv, d] with any element strides (so both [B, L, H, d]
+// and [B, H, L, d] memory work without copies); H must be a multiple of Hkv.
+#pragma once
+
+#include <string>
+
+#include "dfss/error.hpp"
+#include "dfss/params.hpp"
+#include "dfss/tensor.hpp"
+#include "dfss/types.hpp"
+
+namespace dfss {
+
+/// @brief What to compute and where. Defaults: 2:4, scale 1/sqrt(d), no causal mask, automatic
+/// backend, all hardware threads.
+struct attention_config {
+  dfss::pattern pattern{2, 4};
+  /// Softmax scale; 0 (the default) means 1/sqrt(head_dim). Must be finite and >= 0.
+  double scale = 0.0;
+  /// Bottom-right aligned causal mask (FlashAttention >= 2.1 convention).
+  bool causal = false;
+  dfss::backend backend = dfss::backend::automatic;
+  /// Worker threads for CPU backends; 0 means all hardware threads.
+  int num_threads = 0;
+};
+
+/// @brief Arguments of the forward pass. Absent optional views are default-constructed.
+struct forward_args {
+  tensor_view q;            ///< [B, Lq, H, d], f64 / f32 / f16 / bf16
+  tensor_view k;            ///< [B, Lk, Hkv, d], same type as q
+  tensor_view v;            ///< [B, Lk, Hkv, d], same type as q
+  tensor_view out;          ///< [B, Lq, H, d], written; q's type, or f32 for 16-bit q
+  tensor_view lse;          ///< optional [B, H, Lq], written; f32 (f64 for f64 q). -inf for empty rows
+  tensor_view bias;         ///< optional [B or 1, H or 1, Lq, Lk] additive bias, any float type
+  tensor_view key_lengths;  ///< optional [B] valid keys per batch, i32 or i64, each in [0, Lk]
+};
+
+/// @brief Arguments of the backward pass (gradient with the forward's selection held fixed).
+struct backward_args {
+  tensor_view q, k, v;      ///< as in forward_args
+  tensor_view out;          ///< optional forward output [B, Lq, H, d]; recomputed when absent
+  tensor_view lse;          ///< optional forward LSE [B, H, Lq]; recomputed when absent
+  tensor_view dout;         ///< [B, Lq, H, d], same type as q
+  tensor_view dq;           ///< [B, Lq, H, d], written (q's type, or f32 for 16-bit q)
+  tensor_view dk;           ///< [B, Lk, Hkv, d], written; sums over the heads sharing a kv head
+  tensor_view dv;           ///< [B, Lk, Hkv, d], written
+  tensor_view bias;         ///< optional, as in forward_args
+  tensor_view dbias;        ///< optional, written: same shape and type as bias
+  tensor_view key_lengths;  ///< optional, as in forward_args
+};
+
+/// @brief Computes O (and LSE) in place of args.out (args.lse). Throws dfss::error on bad input,
+/// naming the argument, the expected and the received value.
+void attention_forward(const forward_args& args, const attention_config& config = {});
+
+/// @brief Computes dQ, dK, dV (and dBias). Throws dfss::error on bad input.
+void attention_backward(const backward_args& args, const attention_config& config = {});
+
+/// @brief Non-throwing twins of the calls above.
+status try_attention_forward(const forward_args& args, const attention_config& config = {}) noexcept;
+status try_attention_backward(const backward_args& args, const attention_config& config = {}) noexcept;
+
+/// @brief Which kernel family runs a call. kind == none means unsupported; reason says why.
+enum class kernel_kind : int {
+  none,
+  reference_forward,
+  reference_backward,
+  cpu_fused_forward_scalar,
+};
+
+/// @brief The selector's answer: supported or not, and what runs.
+struct kernel_selection {
+  kernel_kind kind = kernel_kind::none;
+  dfss::backend backend = dfss::backend::automatic;
+  /// Stable name of what runs, e.g. "reference.forward" or "cpu.fused_forward.scalar".
+  std::string name;
+  /// Why kind == none ("this build has no CUDA backend", "cpu backend does not take f64 inputs").
+  std::string reason;
+  bool supported() const noexcept { return kind != kernel_kind::none; }
+};
+
+/// @brief The one selector: validates the arguments (throws dfss::error when they are invalid),
+/// then answers both "is this supported?" and "what runs?" without computing anything.
+kernel_selection select_kernel(const forward_args& args, const attention_config& config = {});
+kernel_selection select_kernel(const backward_args& args, const attention_config& config = {});
+
+}  // namespace dfss

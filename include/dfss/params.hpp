@@ -1,0 +1,82 @@
+// dfss/params.hpp: the one plain parameter struct every backend consumes.
+//
+// The API validates the caller's views and fills this struct; backends (reference, cpu, cuda) read
+// nothing else. It holds raw pointers, element strides (int64) and flags only, so kernels stay free
+// of framework types and the same struct crosses into CUDA launchers unchanged.
+//
+// Index conventions: q, o, dout, dq are [batch, seqlen_q, heads, head_dim]; k, v, dk, dv are
+// [batch, seqlen_k, heads_kv, head_dim]; lse is [batch, heads, seqlen_q]; bias and dbias are
+// [batch, heads, seqlen_q, seqlen_k] with stride 0 in broadcast dimensions. Query head h reads
+// key/value head h / (heads / heads_kv).
+#pragma once
+
+#include <cstdint>
+
+#include "dfss/types.hpp"
+
+namespace dfss {
+
+struct attention_params {
+  // Problem size.
+  std::int64_t batch = 0;
+  std::int64_t seqlen_q = 0;
+  std::int64_t seqlen_k = 0;
+  std::int64_t heads = 0;
+  std::int64_t heads_kv = 0;
+  std::int64_t head_dim = 0;
+
+  /// Element type of q, k, v (and dout).
+  dtype input_type = dtype::f32;
+  /// Element type of o (and dq, dk, dv): input_type, or f32 for 16-bit inputs.
+  dtype output_type = dtype::f32;
+  /// Element type of lse: f64 when input_type is f64, else f32.
+  dtype lse_type = dtype::f32;
+
+  const void* q = nullptr;
+  std::int64_t q_stride[4] = {};
+  const void* k = nullptr;
+  std::int64_t k_stride[4] = {};
+  const void* v = nullptr;
+  std::int64_t v_stride[4] = {};
+  /// Forward: written. Backward: read (may be null when the backend recomputes it).
+  void* o = nullptr;
+  std::int64_t o_stride[4] = {};
+  /// Forward: written when non-null. Backward: read (may be null when the backend recomputes it).
+  void* lse = nullptr;
+  std::int64_t lse_stride[3] = {};
+
+  // The function (see dfss-semantics.md).
+  int pattern_n = 2;
+  int pattern_m = 4;
+  /// Softmax scale applied after selection (already resolved: never a default marker here).
+  double scale = 0.0;
+  /// Bottom-right aligned causal mask: key j visible to query i iff j <= i + (seqlen_k - seqlen_q).
+  bool causal = false;
+  /// Per-batch number of valid keys, [batch], i32 or i64; null means all seqlen_k keys are valid.
+  const void* key_lengths = nullptr;
+  dtype key_lengths_type = dtype::i64;
+  std::int64_t key_lengths_stride = 1;
+  /// Additive bias on the scores before selection and scale; null means none.
+  const void* bias = nullptr;
+  dtype bias_type = dtype::f32;
+  std::int64_t bias_stride[4] = {};
+
+  // Backward only.
+  const void* dout = nullptr;
+  std::int64_t dout_stride[4] = {};
+  void* dq = nullptr;
+  std::int64_t dq_stride[4] = {};
+  void* dk = nullptr;
+  std::int64_t dk_stride[4] = {};
+  void* dv = nullptr;
+  std::int64_t dv_stride[4] = {};
+  /// Gradient of the bias, same shape and broadcast as bias (broadcast dimensions are summed over);
+  /// written when non-null, type bias_type. Packed strides with 0 in broadcast dimensions.
+  void* dbias = nullptr;
+  std::int64_t dbias_stride[4] = {};
+
+  /// Worker threads; 0 means the backend's default (all hardware threads).
+  int num_threads = 0;
+};
+
+}  // namespace dfss

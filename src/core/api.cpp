@@ -1,0 +1,90 @@
+// The public API: validate, select, dispatch; statuses become dfss::error at this boundary.
+#include <limits>
+#include <vector>
+
+#include "core/select.hpp"
+#include "core/validate.hpp"
+#include "cpu/fused_forward.hpp"
+#include "dfss/attention.hpp"
+#include "ref/reference.hpp"
+
+namespace dfss {
+namespace {
+
+constexpr const char* kForwardOp = "dfss::attention_forward";
+constexpr const char* kBackwardOp = "dfss::attention_backward";
+
+status unsupported(const char* op, const kernel_selection& s) {
+  return {status_code::unsupported,
+          std::string(op) + ": backend '" + backend_name(s.backend) + "' cannot run this call: " +
+              s.reason};
+}
+
+status run_forward(const attention_params& p, const kernel_selection& s) {
+  switch (s.kind) {
+    case kernel_kind::reference_forward: return ref::reference_forward(p);
+    case kernel_kind::cpu_fused_forward_scalar: return cpu::fused_forward_scalar(p);
+    default: break;
+  }
+  return {status_code::internal, std::string(kForwardOp) + ": selector chose '" + s.name +
+                                     "', which is not a forward kernel"};
+}
+
+status run_backward(const attention_params& p, const kernel_selection& s) {
+  switch (s.kind) {
+    case kernel_kind::reference_backward: return ref::reference_backward(p);
+    default: break;
+  }
+  return {status_code::internal, std::string(kBackwardOp) + ": selector chose '" + s.name +
+                                     "', which is not a backward kernel"};
+}
+
+}  // namespace
+
+status try_attention_forward(const forward_args& args, const attention_config& config) noexcept {
+  try {
+    attention_params p;
+    status st = core::build_forward_params(args, config, kForwardOp, p);
+    if (!st.ok()) return st;
+    const kernel_selection s = core::select(p, config.backend, core::direction::forward);
+    if (!s.supported()) return unsupported(kForwardOp, s);
+    return run_forward(p, s);
+  } catch (const std::exception& e) {
+    return {status_code::internal, std::string(kForwardOp) + ": " + e.what()};
+  }
+}
+
+status try_attention_backward(const backward_args& args, const attention_config& config) noexcept {
+  try {
+    attention_params p;
+    status st = core::build_backward_params(args, config, kBackwardOp, p);
+    if (!st.ok()) return st;
+    const kernel_selection s = core::select(p, config.backend, core::direction::backward);
+    if (!s.supported()) return unsupported(kBackwardOp, s);
+    return run_backward(p, s);
+  } catch (const std::exception& e) {
+    return {status_code::internal, std::string(kBackwardOp) + ": " + e.what()};
+  }
+}
+
+void attention_forward(const forward_args& args, const attention_config& config) {
+  throw_if_error(try_attention_forward(args, config));
+}
+
+void attention_backward(const backward_args& args, const attention_config& config) {
+  throw_if_error(try_attention_backward(args, config));
+}
+
+kernel_selection select_kernel(const forward_args& args, const attention_config& config) {
+  attention_params p;
+  throw_if_error(core::build_forward_params(args, config, "dfss::select_kernel", p));
+  return core::select(p, config.backend, core::direction::forward);
+}
+
+kernel_selection select_kernel(const backward_args& args, const attention_config& config) {
+  attention_params p;
+  throw_if_error(core::build_backward_params(args, config, "dfss::select_kernel", p));
+  return core::select(p, config.backend, core::direction::backward);
+}
+
+}  // namespace dfss

@@ -1,0 +1,60 @@
+// Typed access to the untyped pointers of attention_params, for code that is not hot (the fp64
+// reference, validation, tools). Hot kernels are templated on their element types instead.
+#pragma once
+
+#include <cstdint>
+
+#include "dfss/numeric.hpp"
+#include "dfss/params.hpp"
+
+namespace dfss::core {
+
+/// @brief Element @p off of @p base, of type @p t, widened to double (exact for every type).
+inline double load_as_double(const void* base, dtype t, std::int64_t off) noexcept {
+  switch (t) {
+    case dtype::f64: return static_cast<const double*>(base)[off];
+    case dtype::f32: return static_cast<double>(static_cast<const float*>(base)[off]);
+    case dtype::f16: return static_cast<double>(f16_to_float(static_cast<const std::uint16_t*>(base)[off]));
+    case dtype::bf16: return static_cast<double>(bf16_to_float(static_cast<const std::uint16_t*>(base)[off]));
+    case dtype::i32: return static_cast<const std::int32_t*>(base)[off];
+    case dtype::i64: return static_cast<double>(static_cast<const std::int64_t*>(base)[off]);
+    case dtype::u8: return static_cast<const std::uint8_t*>(base)[off];
+    case dtype::u16: return static_cast<const std::uint16_t*>(base)[off];
+  }
+  return 0.0;
+}
+
+/// @brief Stores @p x into element @p off of @p base, of floating type @p t (round to nearest even).
+inline void store_from_double(void* base, dtype t, std::int64_t off, double x) noexcept {
+  switch (t) {
+    case dtype::f64: static_cast<double*>(base)[off] = x; break;
+    case dtype::f32: static_cast<float*>(base)[off] = static_cast<float>(x); break;
+    case dtype::f16: static_cast<std::uint16_t*>(base)[off] = from_double<half>(x).bits; break;
+    case dtype::bf16: static_cast<std::uint16_t*>(base)[off] = from_double<bfloat16>(x).bits; break;
+    default: break;
+  }
+}
+
+/// @brief Number of valid keys of batch @p b (key padding), seqlen_k when no lengths were given.
+inline std::int64_t valid_keys(const attention_params& p, std::int64_t b) noexcept {
+  if (p.key_lengths == nullptr) return p.seqlen_k;
+  const std::int64_t off = b * p.key_lengths_stride;
+  return p.key_lengths_type == dtype::i32
+             ? static_cast<const std::int32_t*>(p.key_lengths)[off]
+             : static_cast<const std::int64_t*>(p.key_lengths)[off];
+}
+
+/// @brief Last key index visible to query @p i under the bottom-right aligned causal mask (may be
+/// negative: then the row sees no key), or seqlen_k - 1 without a causal mask.
+inline std::int64_t causal_last_key(const attention_params& p, std::int64_t i) noexcept {
+  if (!p.causal) return p.seqlen_k - 1;
+  return i + (p.seqlen_k - p.seqlen_q);
+}
+
+/// @brief Offset of [b, l, h, d] in a tensor with element strides @p s.
+inline std::int64_t offset4(const std::int64_t* s, std::int64_t b, std::int64_t l, std::int64_t h,
+                            std::int64_t d) noexcept {
+  return b * s[0] + l * s[1] + h * s[2] + d * s[3];
+}
+
+}  // namespace dfss::core

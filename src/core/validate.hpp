@@ -1,0 +1,23 @@
+// Argument validation: turns the caller's views into an attention_params, or a status naming the
+// argument, what was expected and what came. Nothing here touches tensor contents except the key
+// lengths, which are host integers checked against [0, Lk].
+#pragma once
+
+#include "dfss/attention.hpp"
+#include "dfss/error.hpp"
+#include "dfss/params.hpp"
+
+namespace dfss::core {
+
+/// Largest head dimension any backend accepts. 512 covers every published head size (<= 256) with
+/// room to spare and bounds the per-row scratch that the fused CPU kernels keep on the stack.
+inline constexpr std::int64_t kMaxHeadDim = 512;
+
+/// @brief Validates forward arguments and fills @p params. @p op names the API call in messages.
+status build_forward_params(const forward_args& args, const attention_config& config,
+                            const char* op, attention_params& params);
+/// @brief Validates backward arguments and fills @p params.
+status build_backward_params(const backward_args& args, const attention_config& config,
+                             const char* op, attention_params& params);
+
+}  // namespace dfss::core

@@ -1,0 +1,169 @@
+// Runs a testing::problem through the public API with a chosen element type, backend, memory
+// layout and thread count; outputs are poisoned (NaN) before the call and returned as fp64 in packed
+// [B, Lq, H, d] / [B, H, Lq] order.
+#pragma once
+
+#include "testing.hpp"
+
+namespace dfss::testing {
+
+struct run_options {
+  dtype type = dtype::f64;
+  dtype out_type = dtype::f64;  // f64 here means "same as type"
+  dfss::backend backend = dfss::backend::reference;
+  bool bhld = false;  // store q, k, v, o (and grads) as [B, H, L, d] and pass strided views
+  int threads = 0;
+  bool want_lse = true;
+};
+
+struct forward_result {
+  std::vector<double> o, lse;
+};
+
+struct backward_result {
+  std::vector<double> dq, dk, dv, dbias;
+};
+
+namespace detail {
+
+/// Storage of one [B, L, heads, d] tensor in the requested layout, with its view.
+template <typename T>
+struct stored {
+  std::vector<T> data;
+  tensor_view view;
+  std::int64_t B = 0, L = 0, Hh = 0, d = 0;
+  bool bhld = false;
+
+  void init(std::int64_t b, std::int64_t l, std::int64_t hh, std::int64_t dd, bool layout_bhld) {
+    B = b, L = l, Hh = hh, d = dd, bhld = layout_bhld;
+    data.assign(static_cast<std::size_t>(B * L * Hh * d), from_double<T>(kNaN));
+    if (bhld) {
+      view = make_strided_view(data.data(), {B, L, Hh, d}, {Hh * L * d, d, L * d, 1});
+    } else {
+      view = make_view(data.data(), {B, L, Hh, d});
+    }
+  }
+  std::size_t at(std::int64_t b, std::int64_t l, std::int64_t h, std::int64_t c) const {
+    return static_cast<std::size_t>(bhld ? ((b * Hh + h) * L + l) * d + c : ((b * L + l) * Hh + h) * d + c);
+  }
+  void load(const std::vector<double>& packed) {
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t l = 0; l < L; ++l)
+        for (std::int64_t h = 0; h < Hh; ++h)
+          for (std::int64_t c = 0; c < d; ++c)
+            data[at(b, l, h, c)] = from_double<T>(packed[static_cast<std::size_t>(((b * L + l) * Hh + h) * d + c)]);
+  }
+  std::vector<double> packed() const {
+    std::vector<double> out(static_cast<std::size_t>(B * L * Hh * d));
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t l = 0; l < L; ++l)
+        for (std::int64_t h = 0; h < Hh; ++h)
+          for (std::int64_t c = 0; c < d; ++c)
+            out[static_cast<std::size_t>(((b * L + l) * Hh + h) * d + c)] = to_double(data[at(b, l, h, c)]);
+    return out;
+  }
+};
+
+template <typename T, typename O>
+struct runner {
+  const problem& pr;
+  const run_options& opt;
+  stored<T> q, k, v, dout;
+  std::vector<double> bias_store;  // bias kept in f64 (any float type is accepted)
+  std::vector<std::int64_t> lens;
+  tensor_view bias_view, lens_view;
+  attention_config cfg;
+
+  runner(const problem& p, const run_options& o) : pr(p), opt(o) {
+    q.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld);
+    k.init(pr.B, pr.Lk, pr.Hkv, pr.d, opt.bhld);
+    v.init(pr.B, pr.Lk, pr.Hkv, pr.d, opt.bhld);
+    q.load(pr.q);
+    k.load(pr.k);
+    v.load(pr.v);
+    if (pr.has_bias) {
+      bias_store = pr.bias;
+      bias_view = make_view(bias_store.data(), {pr.bias_b ? pr.B : 1, pr.bias_h ? pr.H : 1, pr.Lq, pr.Lk});
+    }
+    if (!pr.key_lengths.empty()) {
+      lens = pr.key_lengths;
+      lens_view = make_view(lens.data(), {pr.B});
+    }
+    cfg.pattern = pr.pat;
+    cfg.scale = pr.scale;
+    cfg.causal = pr.causal;
+    cfg.backend = opt.backend;
+    cfg.num_threads = opt.threads;
+  }
+
+  forward_result forward() {
+    stored<O> o;
+    o.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld);
+    using L = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    std::vector<L> lse(static_cast<std::size_t>(pr.B * pr.H * pr.Lq), static_cast<L>(kNaN));
+    forward_args a;
+    a.q = q.view, a.k = k.view, a.v = v.view, a.out = o.view;
+    if (opt.want_lse) a.lse = make_view(lse.data(), {pr.B, pr.H, pr.Lq});
+    a.bias = bias_view;
+    a.key_lengths = lens_view;
+    attention_forward(a, cfg);
+    forward_result r;
+    r.o = o.packed();
+    if (opt.want_lse) r.lse = widen(lse);
+    return r;
+  }
+
+  backward_result backward() {
+    dout.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld);
+    dout.load(pr.dout);
+    stored<O> dq, dk, dv;
+    dq.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld);
+    dk.init(pr.B, pr.Lk, pr.Hkv, pr.d, opt.bhld);
+    dv.init(pr.B, pr.Lk, pr.Hkv, pr.d, opt.bhld);
+    std::vector<double> dbias(pr.has_bias ? static_cast<std::size_t>(pr.bias_numel()) : 0, kNaN);
+    backward_args a;
+    a.q = q.view, a.k = k.view, a.v = v.view, a.dout = dout.view;
+    a.dq = dq.view, a.dk = dk.view, a.dv = dv.view;
+    a.bias = bias_view;
+    if (pr.has_bias) a.dbias = make_view(dbias.data(), {pr.bias_b ? pr.B : 1, pr.bias_h ? pr.H : 1, pr.Lq, pr.Lk});
+    a.key_lengths = lens_view;
+    attention_backward(a, cfg);
+    return {dq.packed(), dk.packed(), dv.packed(), dbias};
+  }
+};
+
+template <typename T, typename F>
+auto with_out_type(const run_options& opt, F&& f) {
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
+    return f.template operator()<T, T>();
+  } else {
+    if (opt.out_type == dtype::f32) return f.template operator()<T, float>();
+    return f.template operator()<T, T>();
+  }
+}
+
+template <typename F>
+auto dispatch(const run_options& opt, F&& f) {
+  switch (opt.type) {
+    case dtype::f32: return with_out_type<float>(opt, f);
+    case dtype::f16: return with_out_type<half>(opt, f);
+    case dtype::bf16: return with_out_type<bfloat16>(opt, f);
+    default: return with_out_type<double>(opt, f);
+  }
+}
+
+}  // namespace detail
+
+inline forward_result run_forward(const problem& pr, const run_options& opt = {}) {
+  return detail::dispatch(opt, [&]<typename T, typename O>() {
+    return detail::runner<T, O>(pr, opt).forward();
+  });
+}
+
+inline backward_result run_backward(const problem& pr, const run_options& opt = {}) {
+  return detail::dispatch(opt, [&]<typename T, typename O>() {
+    return detail::runner<T, O>(pr, opt).backward();
+  });
+}
+
+}  // namespace dfss::testing

@@ -1,0 +1,200 @@
+// Shared test helpers: problem descriptions, input generators, an independent naive DFSS
+// implementation (the second formulation the reference is checked against), and the tolerance
+// policy. Every generator draws from a seed printed on failure, so a failing case can be replayed.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dfss/dfss.hpp"
+
+namespace dfss::testing {
+
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
+inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+/// A seed that differs between runs (fresh inputs every time) unless DFSS_TEST_SEED is set.
+inline std::uint64_t test_seed() {
+  static const std::uint64_t seed = [] {
+    if (const char* e = std::getenv("DFSS_TEST_SEED")) return static_cast<std::uint64_t>(std::stoull(e));
+    std::random_device rd;
+    return static_cast<std::uint64_t>(rd()) << 32 | rd();
+  }();
+  return seed;
+}
+
+/// One attention problem; tensors are held in fp64 and converted to the tested type on demand.
+struct problem {
+  std::int64_t B = 1, Lq = 1, Lk = 1, H = 1, Hkv = 1, d = 1;
+  pattern pat{2, 4};
+  bool causal = false;
+  double scale = 0.0;             // 0: default 1/sqrt(d)
+  bool bias_b = false, bias_h = false;  // bias present with a real batch / head dimension
+  bool has_bias = false;
+  std::vector<std::int64_t> key_lengths;  // empty: none
+  std::vector<double> q, k, v, bias, dout;
+
+  std::int64_t q_numel() const { return B * Lq * H * d; }
+  std::int64_t kv_numel() const { return B * Lk * Hkv * d; }
+  std::int64_t bias_numel() const { return (bias_b ? B : 1) * (bias_h ? H : 1) * Lq * Lk; }
+  double resolved_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(d)); }
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "B=" << B << " Lq=" << Lq << " Lk=" << Lk << " H=" << H << " Hkv=" << Hkv << " d=" << d
+      << " pattern=" << pat.str() << " causal=" << causal << " bias=" << has_bias
+      << (has_bias ? (std::string("[") + (bias_b ? "B" : "1") + "," + (bias_h ? "H" : "1") + "]") : "")
+      << " lens=";
+    for (auto l : key_lengths) s << l << ',';
+    s << " seed=" << test_seed();
+    return s.str();
+  }
+};
+
+/// Fills the problem's tensors: uniform reals in [-1, 1) or, with @p integers, small integers in
+/// [-3, 3] (scores are then exact in fp32 and fp16 arithmetic, so selection is reproducible).
+inline void fill(problem& pr, std::mt19937_64& rng, bool integers = false) {
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::uniform_int_distribution<int> ui(-3, 3);
+  auto gen = [&](std::vector<double>& x, std::int64_t n) {
+    x.resize(static_cast<std::size_t>(n));
+    for (auto& e : x) e = integers ? ui(rng) : u(rng);
+  };
+  gen(pr.q, pr.q_numel());
+  gen(pr.k, pr.kv_numel());
+  gen(pr.v, pr.kv_numel());
+  gen(pr.dout, pr.q_numel());
+  if (pr.has_bias) {
+    gen(pr.bias, pr.bias_numel());
+    // Some -inf entries: they must behave exactly like masked keys.
+    std::uniform_int_distribution<int> pick(0, 6);
+    for (auto& e : pr.bias)
+      if (pick(rng) == 0) e = -kInf;
+  }
+}
+
+/// Converts fp64 data to storage type T (round to nearest even).
+template <typename T>
+std::vector<T> convert(const std::vector<double>& x) {
+  std::vector<T> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = from_double<T>(x[i]);
+  return out;
+}
+
+template <typename T>
+std::vector<double> widen(const std::vector<T>& x) {
+  std::vector<double> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = to_double(x[i]);
+  return out;
+}
+
+/// Rounds every element through storage type T, so an fp64 oracle sees exactly the tested inputs.
+template <typename T>
+std::vector<double> round_through(const std::vector<double>& x) {
+  return widen(convert<T>(x));
+}
+
+/// Result of the naive implementation: O [B, Lq, H, d], LSE [B, H, Lq], keep [B, H, Lq, Lk].
+struct naive_result {
+  std::vector<double> o, lse;
+  std::vector<unsigned char> keep;
+};
+
+/// An independent, literal implementation of dfss-semantics.md for packed [B, L, H, d] fp64 data:
+/// materialises the masked score matrix and selects by sorting each group's indices (value
+/// descending, NaN first, ties to the lower index). It shares no code with the library.
+inline naive_result naive_forward(const problem& pr) {
+  naive_result r;
+  const auto B = pr.B, Lq = pr.Lq, Lk = pr.Lk, H = pr.H, d = pr.d;
+  const std::int64_t M = pr.pat.m, N = pr.pat.n;
+  r.o.assign(static_cast<std::size_t>(B * Lq * H * d), 0.0);
+  r.lse.assign(static_cast<std::size_t>(B * H * Lq), 0.0);
+  r.keep.assign(static_cast<std::size_t>(B * H * Lq * Lk), 0);
+  const double scale = pr.resolved_scale();
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t hk = h / (H / pr.Hkv);
+      for (std::int64_t i = 0; i < Lq; ++i) {
+        std::vector<double> s(static_cast<std::size_t>(Lk));
+        for (std::int64_t j = 0; j < Lk; ++j) {
+          double acc = 0;
+          for (std::int64_t c = 0; c < d; ++c)
+            acc += pr.q[static_cast<std::size_t>(((b * Lq + i) * H + h) * d + c)] *
+                   pr.k[static_cast<std::size_t>(((b * Lk + j) * pr.Hkv + hk) * d + c)];
+          if (pr.has_bias) {
+            const std::int64_t bb = pr.bias_b ? b : 0, hb = pr.bias_h ? h : 0;
+            acc += pr.bias[static_cast<std::size_t>(((bb * (pr.bias_h ? H : 1) + hb) * Lq + i) * Lk + j)];
+          }
+          const bool pad = !pr.key_lengths.empty() && j >= pr.key_lengths[static_cast<std::size_t>(b)];
+          const bool fut = pr.causal && j > i + (Lk - Lq);
+          s[static_cast<std::size_t>(j)] = (pad || fut) ? -kInf : acc;
+        }
+        std::vector<unsigned char> keep(static_cast<std::size_t>(Lk), 0);
+        for (std::int64_t g = 0; g < Lk; g += M) {
+          std::vector<std::int64_t> idx;
+          for (std::int64_t j = g; j < std::min(g + M, Lk); ++j) idx.push_back(j);
+          std::stable_sort(idx.begin(), idx.end(), [&](std::int64_t a, std::int64_t c) {
+            const double x = s[static_cast<std::size_t>(a)], y = s[static_cast<std::size_t>(c)];
+            if (std::isnan(x) != std::isnan(y)) return std::isnan(x);
+            return x > y;
+          });
+          for (std::int64_t t = 0; t < std::min<std::int64_t>(N, static_cast<std::int64_t>(idx.size())); ++t)
+            keep[static_cast<std::size_t>(idx[static_cast<std::size_t>(t)])] = 1;
+        }
+        double mx = -kInf;
+        for (std::int64_t j = 0; j < Lk; ++j)
+          if (keep[static_cast<std::size_t>(j)]) mx = std::max(mx, s[static_cast<std::size_t>(j)]);
+        const std::size_t orow = static_cast<std::size_t>(((b * Lq + i) * H + h) * d);
+        const std::size_t lrow = static_cast<std::size_t>((b * H + h) * Lq + i);
+        for (std::int64_t j = 0; j < Lk; ++j)
+          r.keep[static_cast<std::size_t>(((b * H + h) * Lq + i) * Lk + j)] = keep[static_cast<std::size_t>(j)];
+        if (mx == -kInf) {
+          r.lse[lrow] = -kInf;
+          continue;
+        }
+        std::vector<double> p(static_cast<std::size_t>(Lk), 0.0);
+        double sum = 0;
+        for (std::int64_t j = 0; j < Lk; ++j)
+          if (keep[static_cast<std::size_t>(j)]) {
+            p[static_cast<std::size_t>(j)] = std::exp(scale * s[static_cast<std::size_t>(j)] - scale * mx);
+            sum += p[static_cast<std::size_t>(j)];
+          }
+        r.lse[lrow] = scale * mx + std::log(sum);
+        for (std::int64_t j = 0; j < Lk; ++j)
+          for (std::int64_t c = 0; c < d; ++c)
+            r.o[orow + static_cast<std::size_t>(c)] +=
+                p[static_cast<std::size_t>(j)] / sum *
+                pr.v[static_cast<std::size_t>(((b * Lk + j) * pr.Hkv + hk) * d + c)];
+      }
+    }
+  return r;
+}
+
+/// Largest |a - b| / (1 + |b|) over finite pairs; a NaN or infinity mismatch (in position or sign)
+/// counts as infinity, so non-finite values are compared, never skipped.
+inline double max_rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+  double e = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) {
+      if (std::isnan(a[i]) != std::isnan(b[i])) return kInf;
+      continue;
+    }
+    if (std::isinf(a[i]) || std::isinf(b[i])) {
+      if (a[i] != b[i]) return kInf;
+      continue;
+    }
+    e = std::max(e, std::abs(a[i] - b[i]) / (1.0 + std::abs(b[i])));
+  }
+  return e;
+}
+
+}  // namespace dfss::testing

@@ -1,0 +1,176 @@
+// The CPU backend (generic scalar fused forward) against the fp64 reference.
+//
+// Tolerance policy: scores of small-integer inputs are exact in fp32, so the selection must equal the
+// reference's exactly and only the softmax and P V carry rounding: each output is a convex
+// combination of at most Lk values computed with fp32 exp and sums, so its error is bounded by
+// (c + Lk) * eps_f32 * max|v| with a small constant c for exp, scale and the final division; we use
+// c = 16. 16-bit outputs add half an ulp of the output type.
+#include <gtest/gtest.h>
+
+#include "common/run.hpp"
+#include "common/testing.hpp"
+
+namespace dfss::testing {
+namespace {
+
+constexpr double kEps32 = 1.0 / (1 << 23);
+
+double output_tol(const problem& pr, dtype out) {
+  double vmax = 0;
+  for (double x : pr.v) vmax = std::max(vmax, std::abs(x));
+  const double ulp_out = out == dtype::f16 ? 1.0 / 1024 : (out == dtype::bf16 ? 1.0 / 128 : 0.0);
+  return (16.0 + static_cast<double>(pr.Lk)) * kEps32 * vmax + ulp_out * vmax;
+}
+
+std::vector<problem> cpu_shapes(std::mt19937_64& rng, bool integers) {
+  std::vector<problem> out;
+  struct shape {
+    std::int64_t B, Lq, Lk, H, Hkv, d;
+  };
+  const shape shapes[] = {{1, 1, 1, 1, 1, 1}, {2, 7, 70, 4, 2, 5}, {1, 33, 129, 3, 1, 16},
+                          {2, 65, 9, 2, 2, 64}, {1, 4, 200, 2, 1, 3}};
+  const pattern patterns[] = {{1, 2}, {2, 4}, {3, 8}, {7, 16}, {1, 1}, {2, 3}};
+  int variant = 0;
+  for (const auto& s : shapes)
+    for (const auto& pat : patterns) {
+      problem p;
+      p.B = s.B, p.Lq = s.Lq, p.Lk = s.Lk, p.H = s.H, p.Hkv = s.Hkv, p.d = s.d, p.pat = pat;
+      p.causal = variant % 2 == 1;
+      p.has_bias = variant % 3 == 1;
+      p.bias_b = variant % 4 < 2;
+      if (variant % 5 == 3) {
+        for (std::int64_t b = 0; b < p.B; ++b) p.key_lengths.push_back(b == 1 ? 0 : p.Lk - p.Lk / 3);
+      }
+      fill(p, rng, integers);
+      out.push_back(p);
+      ++variant;
+    }
+  return out;
+}
+
+TEST(Cpu, FusedScalarMatchesReferenceOnExactScores) {
+  std::mt19937_64 rng(test_seed() + 11);
+  for (const auto& pr : cpu_shapes(rng, /*integers=*/true)) {
+    const auto want = run_forward(pr);
+    for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
+      for (dtype out : {t, dtype::f32}) {
+        run_options opt;
+        opt.type = t;
+        opt.out_type = out;
+        opt.backend = backend::cpu;
+        opt.bhld = t == dtype::f16;
+        const auto got = run_forward(pr, opt);
+        double err = 0;
+        for (std::size_t x = 0; x < got.o.size(); ++x) {
+          ASSERT_TRUE(std::isfinite(got.o[x])) << pr.describe() << " at " << x;
+          err = std::max(err, std::abs(got.o[x] - want.o[x]));
+        }
+        EXPECT_LE(err, output_tol(pr, out)) << pr.describe() << " " << dtype_name(t) << "->" << dtype_name(out);
+        for (std::size_t x = 0; x < got.lse.size(); ++x) {
+          if (std::isinf(want.lse[x])) {
+            EXPECT_EQ(got.lse[x], want.lse[x]) << pr.describe();
+          } else {
+            // LSE = scale * max + log(sum): the sum's relative error passes through log unchanged.
+            EXPECT_NEAR(got.lse[x], want.lse[x], (16.0 + static_cast<double>(pr.Lk)) * kEps32 * (1 + std::abs(want.lse[x])))
+                << pr.describe();
+          }
+        }
+      }
+    }
+  }
+}
+
+/// Rows in which some group's N-th and (N+1)-th largest scores lie within @p bound: there an fp32
+/// kernel may legitimately keep a different key than the fp64 reference.
+std::vector<bool> near_tie_rows(const problem& pr, double bound) {
+  std::vector<bool> rows(static_cast<std::size_t>(pr.B * pr.Lq * pr.H), false);
+  for (std::int64_t b = 0; b < pr.B; ++b)
+    for (std::int64_t h = 0; h < pr.H; ++h)
+      for (std::int64_t i = 0; i < pr.Lq; ++i)
+        for (std::int64_t g = 0; g < pr.Lk; g += pr.pat.m) {
+          std::vector<double> s;
+          for (std::int64_t j = g; j < std::min(g + pr.pat.m, pr.Lk); ++j) {
+            double acc = 0;
+            for (std::int64_t c = 0; c < pr.d; ++c)
+              acc += pr.q[static_cast<std::size_t>(((b * pr.Lq + i) * pr.H + h) * pr.d + c)] *
+                     pr.k[static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + h / (pr.H / pr.Hkv)) * pr.d + c)];
+            s.push_back(acc);
+          }
+          std::sort(s.rbegin(), s.rend());
+          if (static_cast<std::int64_t>(s.size()) > pr.pat.n &&
+              s[static_cast<std::size_t>(pr.pat.n - 1)] - s[static_cast<std::size_t>(pr.pat.n)] < bound)
+            rows[static_cast<std::size_t>((b * pr.Lq + i) * pr.H + h)] = true;
+        }
+  return rows;
+}
+
+TEST(Cpu, FusedScalarMatchesReferenceOnRandomInputs) {
+  std::mt19937_64 rng(test_seed() + 12);
+  for (auto pr : cpu_shapes(rng, /*integers=*/false)) {
+    pr.has_bias = false;  // keep the near-tie analysis to Q K^T alone
+    const auto want = run_forward(pr);
+    run_options opt;
+    opt.type = dtype::f32;
+    opt.backend = backend::cpu;
+    const auto got = run_forward(pr, opt);
+    // fp32 dot products of d terms in [-1, 1]: error below d * eps_f32 (times 4 for margin).
+    const auto ties = near_tie_rows(pr, 4.0 * static_cast<double>(pr.d) * kEps32);
+    std::size_t skipped = 0;
+    for (std::size_t r = 0; r < ties.size(); ++r) {
+      if (ties[r]) {
+        ++skipped;
+        continue;
+      }
+      for (std::int64_t c = 0; c < pr.d; ++c) {
+        const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
+        ASSERT_NEAR(got.o[x], want.o[x], output_tol(pr, dtype::f32)) << pr.describe() << " row " << r;
+      }
+    }
+    EXPECT_LE(skipped, ties.size() / 50 + 1) << "too many near-tie rows to be a meaningful test";
+  }
+}
+
+TEST(Cpu, ResultsAreBitwiseIdenticalForAnyThreadCount) {
+  std::mt19937_64 rng(test_seed() + 13);
+  problem pr;
+  pr.B = 2, pr.Lq = 37, pr.Lk = 101, pr.H = 3, pr.Hkv = 1, pr.d = 16, pr.causal = true;
+  fill(pr, rng);
+  run_options opt;
+  opt.type = dtype::f32;
+  opt.backend = backend::cpu;
+  opt.threads = 1;
+  const auto one = run_forward(pr, opt);
+  for (int t : {2, 3, 7}) {
+    opt.threads = t;
+    const auto many = run_forward(pr, opt);
+    EXPECT_EQ(one.o, many.o) << t << " threads";
+    EXPECT_EQ(one.lse, many.lse) << t << " threads";
+  }
+}
+
+TEST(Cpu, EmptyRowsAndNaN) {
+  std::mt19937_64 rng(test_seed() + 14);
+  problem pr;
+  pr.B = 2, pr.Lq = 6, pr.Lk = 9, pr.d = 4, pr.causal = true;
+  pr.Lq = 12;  // Lq > Lk: the first Lq - Lk rows see no key under the bottom-right causal mask
+  pr.key_lengths = {9, 0};
+  fill(pr, rng);
+  pr.q[static_cast<std::size_t>(10 * 4 + 2)] = kNaN;  // batch 0, row 10
+  run_options opt;
+  opt.type = dtype::f32;
+  opt.backend = backend::cpu;
+  const auto got = run_forward(pr, opt);
+  const auto want = run_forward(pr);
+  EXPECT_LE(max_rel_err(got.lse, want.lse), 1e-5);
+  for (std::size_t x = 0; x < got.o.size(); ++x) {
+    EXPECT_EQ(std::isnan(got.o[x]), std::isnan(want.o[x])) << x;
+    if (want.o[x] == 0.0) {
+      EXPECT_EQ(got.o[x], 0.0) << x;
+    }
+  }
+  EXPECT_TRUE(std::isnan(got.o[static_cast<std::size_t>(10 * 4)]));
+  EXPECT_EQ(got.lse[0], -kInf);
+}
+
+}  // namespace
+}  // namespace dfss::testing

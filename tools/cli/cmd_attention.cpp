@@ -1,0 +1,187 @@
+// `dfss attention`: attention (and optionally its backward pass) on NumPy .npy files.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli/commands.hpp"
+#include "dfss/dfss.hpp"
+#include "npy/npy.hpp"
+
+namespace dfss::cli {
+namespace {
+
+/// A user-facing input problem: reported as "dfss attention: <message>" with exit code 2.
+struct bad_input : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::string shape_str(const std::vector<std::int64_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+/// Loads an attention operand: float64, float32 or float16, shaped [B, L, H, d].
+npy::array load_operand(const std::string& path, const char* flag) {
+  npy::array a = npy::read(path);
+  if (a.type != dtype::f64 && a.type != dtype::f32 && a.type != dtype::f16) {
+    throw bad_input(std::string(flag) + " " + path + ": expected float64, float32 or float16 data, got " +
+                    dtype_name(a.type));
+  }
+  if (a.shape.size() != 4) {
+    throw bad_input(std::string(flag) + " " + path + ": expected shape [B, L, H, d] (4 dimensions), got " +
+                    shape_str(a.shape));
+  }
+  return a;
+}
+
+tensor_view view_of(npy::array& a) {
+  tensor_view v;
+  v.data = a.bytes.data();
+  v.type = a.type;
+  v.rank = static_cast<int>(a.shape.size());
+  std::int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.shape[static_cast<std::size_t>(d)] = a.shape[static_cast<std::size_t>(d)];
+    v.stride[static_cast<std::size_t>(d)] = stride;
+    stride *= a.shape[static_cast<std::size_t>(d)];
+  }
+  return v;
+}
+
+/// An output buffer: zero-filled bytes of the requested type and shape.
+npy::array make_output(dtype type, std::vector<std::int64_t> shape) {
+  npy::array a;
+  a.type = type;
+  a.shape = std::move(shape);
+  a.bytes.assign(static_cast<std::size_t>(a.numel()) * npy::item_size(type), 0);
+  return a;
+}
+
+int fail(const std::string& message) {
+  std::cerr << "dfss attention: " << message << "\n";
+  return kExitBadInput;
+}
+
+}  // namespace
+
+void add_attention_command(CLI::App& app, attention_options& o) {
+  CLI::App* c = app.add_subcommand("attention", "Compute DFSS attention on .npy files");
+  c->add_option("--q", o.q, "queries [B, Lq, H, d] (float64, float32 or float16)")->required();
+  c->add_option("--k", o.k, "keys [B, Lk, Hkv, d], same type as --q")->required();
+  c->add_option("--v", o.v, "values [B, Lk, Hkv, d], same type as --q")->required();
+  c->add_option("--out", o.out, "output O [B, Lq, H, d] (float64 for float64 inputs, else float32)")->required();
+  c->add_option("--lse", o.lse, "optional log-sum-exp [B, H, Lq] per row");
+  c->add_option("--pattern", o.pattern, "N:M pattern, e.g. 2:4, 1:2, 3:8, or dense")->capture_default_str();
+  c->add_flag("--causal", o.causal, "bottom-right aligned causal mask");
+  c->add_option("--scale", o.scale, "softmax scale (default 1/sqrt(d))");
+  c->add_option("--key-lengths", o.key_lengths, "valid keys per batch [B] (int32 or int64)");
+  c->add_option("--bias", o.bias, "additive bias [B or 1, H or 1, Lq, Lk] (leading 1s may be omitted)");
+  c->add_option("--backend", o.backend, "automatic, reference, cpu or cuda")->capture_default_str();
+  c->add_option("--threads", o.threads, "worker threads (0: all)");
+  c->add_option("--dout", o.dout, "upstream gradient dO [B, Lq, H, d]: also run the backward pass");
+  c->add_option("--dq", o.dq, "write dQ here (with --dout)");
+  c->add_option("--dk", o.dk, "write dK here (with --dout)");
+  c->add_option("--dv", o.dv, "write dV here (with --dout)");
+  c->add_option("--dbias", o.dbias, "write dBias here (with --dout and --bias), same shape as --bias");
+}
+
+int run_attention(const attention_options& o) {
+  try {
+    attention_config cfg;
+    cfg.pattern = pattern::parse(o.pattern, "--pattern");
+    cfg.backend = parse_backend(o.backend, "--backend");
+    cfg.scale = o.scale;
+    cfg.causal = o.causal;
+    cfg.num_threads = o.threads;
+
+    const bool backward = !o.dout.empty();
+    if (backward && (o.dq.empty() || o.dk.empty() || o.dv.empty())) {
+      return fail("--dout needs --dq, --dk and --dv to write the gradients to");
+    }
+    if (!backward && (!o.dq.empty() || !o.dk.empty() || !o.dv.empty() || !o.dbias.empty())) {
+      return fail("--dq, --dk, --dv and --dbias need --dout (the upstream gradient)");
+    }
+    if (!o.dbias.empty() && o.bias.empty()) return fail("--dbias needs --bias");
+
+    npy::array q = load_operand(o.q, "--q");
+    npy::array k = load_operand(o.k, "--k");
+    npy::array v = load_operand(o.v, "--v");
+    if (k.type != q.type || v.type != q.type) {
+      return fail(std::string("--k and --v must have the type of --q (") + dtype_name(q.type) + "), got " +
+                  dtype_name(k.type) + " and " + dtype_name(v.type));
+    }
+    const dtype out_type = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
+    const auto B = q.shape[0], Lq = q.shape[1], H = q.shape[2];
+
+    forward_args fa;
+    fa.q = view_of(q);
+    fa.k = view_of(k);
+    fa.v = view_of(v);
+    npy::array out = make_output(out_type, q.shape);
+    fa.out = view_of(out);
+    npy::array lse = make_output(out_type, {B, H, Lq});
+    if (!o.lse.empty()) fa.lse = view_of(lse);
+
+    npy::array lens, bias;
+    if (!o.key_lengths.empty()) {
+      lens = npy::read(o.key_lengths);
+      if (lens.type != dtype::i32 && lens.type != dtype::i64) {
+        return fail("--key-lengths " + o.key_lengths + ": expected int32 or int64 data, got " + dtype_name(lens.type));
+      }
+      fa.key_lengths = view_of(lens);
+    }
+    if (!o.bias.empty()) {
+      bias = npy::read(o.bias);
+      if (bias.shape.size() < 2 || bias.shape.size() > 4) {
+        return fail("--bias " + o.bias + ": expected 2 to 4 dimensions ([.., Lq, Lk]), got " + shape_str(bias.shape));
+      }
+      while (bias.shape.size() < 4) bias.shape.insert(bias.shape.begin(), 1);
+      if (!dtype_is_floating(bias.type)) {
+        return fail("--bias " + o.bias + ": expected floating-point data, got " + std::string(dtype_name(bias.type)));
+      }
+      fa.bias = view_of(bias);
+    }
+
+    attention_forward(fa, cfg);
+    npy::write(o.out, out);
+    if (!o.lse.empty()) npy::write(o.lse, lse);
+
+    if (backward) {
+      npy::array dout = load_operand(o.dout, "--dout");
+      if (dout.type != q.type) {
+        return fail(std::string("--dout must have the type of --q (") + dtype_name(q.type) + "), got " + dtype_name(dout.type));
+      }
+      backward_args ba;
+      ba.q = fa.q, ba.k = fa.k, ba.v = fa.v, ba.bias = fa.bias, ba.key_lengths = fa.key_lengths;
+      ba.out = fa.out;
+      ba.dout = view_of(dout);
+      npy::array dq = make_output(out_type, q.shape), dk = make_output(out_type, k.shape),
+                 dv = make_output(out_type, v.shape);
+      ba.dq = view_of(dq), ba.dk = view_of(dk), ba.dv = view_of(dv);
+      npy::array dbias;
+      if (!o.dbias.empty()) {
+        dbias = make_output(bias.type, bias.shape);
+        ba.dbias = view_of(dbias);
+      }
+      attention_backward(ba, cfg);
+      npy::write(o.dq, dq);
+      npy::write(o.dk, dk);
+      npy::write(o.dv, dv);
+      if (!o.dbias.empty()) npy::write(o.dbias, dbias);
+    }
+    return kExitOk;
+  } catch (const npy::error& e) {
+    return fail(e.what());
+  } catch (const bad_input& e) {
+    return fail(e.what());
+  } catch (const error& e) {
+    if (e.code() == status_code::internal) throw;
+    return fail(e.what());
+  }
+}
+
+}  // namespace dfss::cli

@@ -1,0 +1,41 @@
+// Subcommands of the dfss command-line tool. Each returns the process exit code:
+// 0 success, 2 bad input (malformed files, invalid or unsupported arguments), 1 internal failure.
+#pragma once
+
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace dfss::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitInternal = 1;
+inline constexpr int kExitBadInput = 2;
+
+/// Options of `dfss attention`.
+struct attention_options {
+  std::string q, k, v, out, lse, key_lengths, bias;
+  std::string dout, dq, dk, dv, dbias;
+  std::string pattern = "2:4";
+  std::string backend = "automatic";
+  double scale = 0.0;
+  bool causal = false;
+  int threads = 0;
+};
+
+/// Options of `dfss demo` (also what `dfss` with no arguments runs).
+struct demo_options {
+  long long batch = 1, heads = 12, seq_len = 512, head_dim = 64;
+  int threads = 0;
+  unsigned long long seed = 2023;
+};
+
+void add_attention_command(CLI::App& app, attention_options& opt);
+int run_attention(const attention_options& opt);
+int run_info();
+void add_demo_command(CLI::App& app, demo_options& opt);
+int run_demo(const demo_options& opt);
+
+}  // namespace dfss::cli

@@ -25,17 +25,18 @@
 namespace dfss {
 
 /// @brief Prunes every row of @p dense ([rows, cols], row stride @p ld >= cols) to pattern @p p.
-/// Writes [rows, ceil(cols/M) * N] kept values and their key indices, row-major, kept entries of each
-/// group in increasing key order; kept padding positions get value -inf and index >= cols.
+/// Writes [rows, ceil(cols/M) * N] kept values and their key indices, row-major, kept entries of
+/// each group in increasing key order; kept padding positions get value -inf and index >= cols.
 void nm_compress(const float* dense, std::int64_t rows, std::int64_t cols, std::int64_t ld,
                  pattern p, float* values, std::int32_t* indices);
 /// @brief nm_compress for double.
 void nm_compress(const double* dense, std::int64_t rows, std::int64_t cols, std::int64_t ld,
                  pattern p, double* values, std::int32_t* indices);
 
-/// @brief Inverse of nm_compress: writes @p fill to every entry of @p dense ([rows, cols], row stride
-/// @p ld) and then the kept values at their indices (padding indices >= cols are skipped). Indices
-/// are validated first (each within its group, strictly increasing); on error @p dense is untouched.
+/// @brief Inverse of nm_compress: writes @p fill to every entry of @p dense ([rows, cols], row
+/// stride @p ld) and then the kept values at their indices (padding indices >= cols are skipped).
+/// Indices are validated first (each within its group, strictly increasing); on error @p dense is
+/// untouched.
 void nm_decompress(const float* values, const std::int32_t* indices, std::int64_t rows,
                    std::int64_t cols, pattern p, float* dense, std::int64_t ld,
                    float fill = -std::numeric_limits<float>::infinity());
@@ -52,8 +53,8 @@ const char* meta_format_name(meta_format f) noexcept;
 std::int64_t nm_metadata_words_per_row(std::int64_t cols, meta_format f);
 
 /// @brief Encodes nm_compress @p indices ([rows, ceil(cols/M) * N]) of pattern @p p as row-order
-/// metadata words [rows, nm_metadata_words_per_row(cols, f)]. @p p must be the format's pattern (2:4
-/// for sm80_16bit_2of4, 1:2 for the others). Groups past the end of the row are encoded as
+/// metadata words [rows, nm_metadata_words_per_row(cols, f)]. @p p must be the format's pattern
+/// (2:4 for sm80_16bit_2of4, 1:2 for the others). Groups past the end of the row are encoded as
 /// all-padding groups (lowest positions kept), so every code is legal.
 void nm_metadata_encode(const std::int32_t* indices, std::int64_t rows, std::int64_t cols,
                         pattern p, meta_format f, std::uint16_t* words);

@@ -81,7 +81,8 @@ def rel_err(a, b):
     same_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
     if np.any(np.isinf(a) != np.isinf(b)) or np.any(np.isnan(a)) or np.any(np.isnan(b)):
         return np.inf
-    diff = np.where(same_inf, 0.0, np.abs(a - b) / (1.0 + np.abs(b)))
+    with np.errstate(invalid="ignore"):  # inf - inf where both are the same infinity
+        diff = np.where(same_inf, 0.0, np.abs(a - b) / (1.0 + np.abs(b)))
     return float(diff.max()) if diff.size else 0.0
 
 

@@ -1,6 +1,7 @@
 // `dfss attention`: attention (and optionally its backward pass) on NumPy .npy files.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -127,6 +128,7 @@ int run_attention(const attention_options& o) {
     if (!o.lse.empty()) fa.lse = view_of(lse);
 
     npy::array lens, bias;
+    std::vector<std::int64_t> bias_file_shape;
     if (!o.key_lengths.empty()) {
       lens = npy::read(o.key_lengths);
       if (lens.type != dtype::i32 && lens.type != dtype::i64) {
@@ -139,7 +141,11 @@ int run_attention(const attention_options& o) {
       if (bias.shape.size() < 2 || bias.shape.size() > 4) {
         return fail("--bias " + o.bias + ": expected 2 to 4 dimensions ([.., Lq, Lk]), got " + shape_str(bias.shape));
       }
-      while (bias.shape.size() < 4) bias.shape.insert(bias.shape.begin(), 1);
+      // Leading broadcast dimensions may be omitted, as in NumPy: [Lq, Lk] means [1, 1, Lq, Lk].
+      bias_file_shape = bias.shape;
+      std::vector<std::int64_t> shape4(4, 1);
+      std::copy(bias.shape.begin(), bias.shape.end(), shape4.end() - static_cast<std::ptrdiff_t>(bias.shape.size()));
+      bias.shape = shape4;
       if (!dtype_is_floating(bias.type)) {
         return fail("--bias " + o.bias + ": expected floating-point data, got " + std::string(dtype_name(bias.type)));
       }
@@ -171,7 +177,10 @@ int run_attention(const attention_options& o) {
       npy::write(o.dq, dq);
       npy::write(o.dk, dk);
       npy::write(o.dv, dv);
-      if (!o.dbias.empty()) npy::write(o.dbias, dbias);
+      if (!o.dbias.empty()) {
+        dbias.shape = bias_file_shape;  // written in the shape the bias was given in
+        npy::write(o.dbias, dbias);
+      }
     }
     return kExitOk;
   } catch (const npy::error& e) {

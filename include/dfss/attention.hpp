@@ -15,6 +15,19 @@
 
 namespace dfss {
 
+/// @brief How the CPU backend computes the forward pass.
+enum class cpu_algorithm : int {
+  fused,        ///< single pass, flash style: online softmax over kept scores, no L x L buffer
+  three_stage,  ///< the paper's pipeline: Q K^T with fused selection -> compressed softmax -> SpMM
+};
+
+/// @brief Instruction set of the CPU kernels; automatic picks the best one the CPU supports.
+enum class cpu_isa : int {
+  automatic,
+  generic,  ///< portable scalar C++ (the twin every SIMD kernel is tested against)
+  avx2,     ///< x86-64 AVX2 + FMA (+ F16C for f16 inputs)
+};
+
 /// @brief What to compute and where. Defaults: 2:4, scale 1/sqrt(d), no causal mask, automatic
 /// backend, all hardware threads.
 struct attention_config {
@@ -26,6 +39,10 @@ struct attention_config {
   dfss::backend backend = dfss::backend::automatic;
   /// Worker threads for CPU backends; 0 means all hardware threads.
   int num_threads = 0;
+  /// CPU backend: fused single pass (default) or the paper's three-stage pipeline.
+  dfss::cpu_algorithm cpu_algorithm = dfss::cpu_algorithm::fused;
+  /// CPU backend: instruction set (automatic: the best supported by this CPU).
+  dfss::cpu_isa cpu_isa = dfss::cpu_isa::automatic;
 };
 
 /// @brief Arguments of the forward pass. Absent optional views are default-constructed.
@@ -37,6 +54,12 @@ struct forward_args {
   tensor_view lse;          ///< optional [B, H, Lq], written; f32 (f64 for f64 q). -inf for empty rows
   tensor_view bias;         ///< optional [B or 1, H or 1, Lq, Lk] additive bias, any float type
   tensor_view key_lengths;  ///< optional [B] valid keys per batch, i32 or i64, each in [0, Lk]
+  /// Optional outputs of the three-stage CPU pipeline (cpu_algorithm::three_stage only): the
+  /// compressed score matrix. With G = ceil(Lk / M) groups per row:
+  tensor_view compressed_values;   ///< [B, H, Lq, G * N] f32: kept scaled scores (-inf if masked)
+  tensor_view compressed_indices;  ///< [B, H, Lq, G * N] i32: key index of each kept value
+  tensor_view compressed_meta;     ///< [B, H, Lq, ceil(Lk / 16)] u16: 2:4 or 1:2 sparse tensor core
+                                   ///< metadata words in row order (patterns 1:2 and 2:4 only)
 };
 
 /// @brief Arguments of the backward pass (gradient with the forward's selection held fixed).
@@ -70,6 +93,8 @@ enum class kernel_kind : int {
   reference_forward,
   reference_backward,
   cpu_fused_forward_scalar,
+  cpu_fused_forward_avx2,
+  cpu_three_stage_forward,
 };
 
 /// @brief The selector's answer: supported or not, and what runs.

@@ -75,6 +75,13 @@ struct attention_params {
   void* dbias = nullptr;
   std::int64_t dbias_stride[4] = {};
 
+  // Three-stage CPU pipeline only: optional compressed score outputs (see forward_args).
+  float* compressed_values = nullptr;
+  std::int32_t* compressed_indices = nullptr;
+  std::int64_t compressed_stride[4] = {};  ///< [b, h, i, slot], shared by values and indices
+  std::uint16_t* compressed_meta = nullptr;
+  std::int64_t compressed_meta_stride[4] = {};
+
   /// Worker threads; 0 means the backend's default (all hardware threads).
   int num_threads = 0;
 };

@@ -24,6 +24,8 @@ status run_forward(const attention_params& p, const kernel_selection& s) {
   switch (s.kind) {
     case kernel_kind::reference_forward: return ref::reference_forward(p);
     case kernel_kind::cpu_fused_forward_scalar: return cpu::fused_forward_scalar(p);
+    case kernel_kind::cpu_fused_forward_avx2: return cpu::fused_forward_avx2(p);
+    case kernel_kind::cpu_three_stage_forward: return cpu::three_stage_forward(p);
     default: break;
   }
   return {status_code::internal, std::string(kForwardOp) + ": selector chose '" + s.name +
@@ -46,7 +48,7 @@ status try_attention_forward(const forward_args& args, const attention_config& c
     attention_params p;
     status st = core::build_forward_params(args, config, kForwardOp, p);
     if (!st.ok()) return st;
-    const kernel_selection s = core::select(p, config.backend, core::direction::forward);
+    const kernel_selection s = core::select(p, config, core::direction::forward);
     if (!s.supported()) return unsupported(kForwardOp, s);
     return run_forward(p, s);
   } catch (const std::exception& e) {
@@ -59,7 +61,7 @@ status try_attention_backward(const backward_args& args, const attention_config&
     attention_params p;
     status st = core::build_backward_params(args, config, kBackwardOp, p);
     if (!st.ok()) return st;
-    const kernel_selection s = core::select(p, config.backend, core::direction::backward);
+    const kernel_selection s = core::select(p, config, core::direction::backward);
     if (!s.supported()) return unsupported(kBackwardOp, s);
     return run_backward(p, s);
   } catch (const std::exception& e) {
@@ -78,13 +80,13 @@ void attention_backward(const backward_args& args, const attention_config& confi
 kernel_selection select_kernel(const forward_args& args, const attention_config& config) {
   attention_params p;
   throw_if_error(core::build_forward_params(args, config, "dfss::select_kernel", p));
-  return core::select(p, config.backend, core::direction::forward);
+  return core::select(p, config, core::direction::forward);
 }
 
 kernel_selection select_kernel(const backward_args& args, const attention_config& config) {
   attention_params p;
   throw_if_error(core::build_backward_params(args, config, "dfss::select_kernel", p));
-  return core::select(p, config.backend, core::direction::backward);
+  return core::select(p, config, core::direction::backward);
 }
 
 }  // namespace dfss

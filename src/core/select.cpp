@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "cpu/isa.hpp"
+
 namespace dfss::core {
 namespace {
 
@@ -28,7 +30,7 @@ kernel_selection select_reference(direction dir) {
              : make(kernel_kind::reference_backward, backend::reference, "reference.backward");
 }
 
-kernel_selection select_cpu(const attention_params& p, direction dir) {
+kernel_selection select_cpu(const attention_params& p, const attention_config& c, direction dir) {
   if (dir == direction::backward) {
     return reject(backend::cpu, "the cpu backend has no backward pass yet; use backend reference");
   }
@@ -36,23 +38,40 @@ kernel_selection select_cpu(const attention_params& p, direction dir) {
     return reject(backend::cpu,
                   "the cpu backend takes f32, f16 and bf16 inputs, got f64; use backend reference");
   }
-  return make(kernel_kind::cpu_fused_forward_scalar, backend::cpu, "cpu.fused_forward.scalar");
+  if (c.cpu_algorithm == cpu_algorithm::three_stage) {
+    return make(kernel_kind::cpu_three_stage_forward, backend::cpu, "cpu.three_stage_forward.generic");
+  }
+  const bool avx2_ok = cpu::cpu_supports_avx2() && (p.input_type != dtype::f16 || cpu::cpu_supports_f16c());
+  switch (c.cpu_isa) {
+    case cpu_isa::generic:
+      return make(kernel_kind::cpu_fused_forward_scalar, backend::cpu, "cpu.fused_forward.scalar");
+    case cpu_isa::avx2:
+      if (!avx2_ok) {
+        return reject(backend::cpu, "cpu_isa avx2 was requested but this CPU lacks AVX2, FMA" +
+                                        std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
+      }
+      return make(kernel_kind::cpu_fused_forward_avx2, backend::cpu, "cpu.fused_forward.avx2");
+    case cpu_isa::automatic:
+      return avx2_ok ? make(kernel_kind::cpu_fused_forward_avx2, backend::cpu, "cpu.fused_forward.avx2")
+                     : make(kernel_kind::cpu_fused_forward_scalar, backend::cpu, "cpu.fused_forward.scalar");
+  }
+  return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
 }
 
 }  // namespace
 
-kernel_selection select(const attention_params& p, backend requested, direction dir) {
-  switch (requested) {
+kernel_selection select(const attention_params& p, const attention_config& config, direction dir) {
+  switch (config.backend) {
     case backend::reference: return select_reference(dir);
-    case backend::cpu: return select_cpu(p, dir);
+    case backend::cpu: return select_cpu(p, config, dir);
     case backend::cuda:
       return reject(backend::cuda, "this build of dfss has no CUDA attention kernels");
     case backend::automatic: {
-      kernel_selection s = select_cpu(p, dir);
+      kernel_selection s = select_cpu(p, config, dir);
       return s.supported() ? s : select_reference(dir);
     }
   }
-  return reject(requested, "unknown backend value " + std::to_string(static_cast<int>(requested)));
+  return reject(config.backend, "unknown backend value " + std::to_string(static_cast<int>(config.backend)));
 }
 
 }  // namespace dfss::core

@@ -10,6 +10,6 @@ namespace dfss::core {
 enum class direction { forward, backward };
 
 /// @brief Never throws; returns kind == none with a reason when nothing compiled can run the call.
-kernel_selection select(const attention_params& p, backend requested, direction dir);
+kernel_selection select(const attention_params& p, const attention_config& config, direction dir);
 
 }  // namespace dfss::core

@@ -353,6 +353,59 @@ void check_lse(checker& c, const tensor_view& lse, const attention_params& p) {
   check_dim(c, "lse", lse, 2, "seqlen_q", p.seqlen_q);
 }
 
+/// The three-stage pipeline's optional compressed outputs (values and indices together, with equal
+/// strides; metadata only for the hardware patterns 1:2 and 2:4).
+void check_compressed(checker& c, const forward_args& a, const attention_config& config,
+                      const attention_params& p, std::vector<named_view>& outputs) {
+  const bool vals = a.compressed_values.present(), idx = a.compressed_indices.present();
+  const bool meta = a.compressed_meta.present();
+  if (c.failed() || (!vals && !idx && !meta)) return;
+  const char* first = vals ? "compressed_values" : (idx ? "compressed_indices" : "compressed_meta");
+  if (config.cpu_algorithm != cpu_algorithm::three_stage || config.backend == backend::reference ||
+      config.backend == backend::cuda) {
+    c.fail(first, "to be absent unless config.cpu_algorithm is three_stage on the cpu backend", "a view");
+    return;
+  }
+  if (vals != idx) {
+    c.fail(vals ? "compressed_indices" : "compressed_values",
+           "to be given together with the other of compressed_values / compressed_indices", "nothing");
+    return;
+  }
+  const std::int64_t groups = (p.seqlen_k + p.pattern_m - 1) / p.pattern_m;
+  if (vals) {
+    if (!check_view(c, "compressed_values", a.compressed_values, 4)) return;
+    check_type(c, "compressed_values", a.compressed_values, dtype::f32);
+    const std::int64_t want[4] = {p.batch, p.heads, p.seqlen_q, groups * p.pattern_n};
+    const char* names[4] = {"batch", "heads", "seqlen_q", "kept per row = ceil(Lk / M) * N"};
+    for (int d = 0; d < 4; ++d) check_dim(c, "compressed_values", a.compressed_values, d, names[d], want[d]);
+    if (!check_view(c, "compressed_indices", a.compressed_indices, 4)) return;
+    check_type(c, "compressed_indices", a.compressed_indices, dtype::i32);
+    check_same_shape(c, "compressed_indices", a.compressed_indices, "compressed_values", a.compressed_values);
+    for (int d = 0; d < 4 && !c.failed(); ++d) {
+      if (a.compressed_indices.stride[d] != a.compressed_values.stride[d]) {
+        c.fail("compressed_indices", "the strides of 'compressed_values'",
+               "stride[" + std::to_string(d) + "] = " + std::to_string(a.compressed_indices.stride[d]));
+      }
+    }
+    outputs.push_back({"compressed_values", &a.compressed_values});
+    outputs.push_back({"compressed_indices", &a.compressed_indices});
+  }
+  if (meta) {
+    const bool hw = (p.pattern_n == 1 && p.pattern_m == 2) || (p.pattern_n == 2 && p.pattern_m == 4);
+    if (!hw) {
+      c.fail("compressed_meta", "pattern 1:2 or 2:4 (sparse tensor core metadata)",
+             "pattern " + std::to_string(p.pattern_n) + ":" + std::to_string(p.pattern_m));
+      return;
+    }
+    if (!check_view(c, "compressed_meta", a.compressed_meta, 4)) return;
+    check_type(c, "compressed_meta", a.compressed_meta, dtype::u16);
+    const std::int64_t want[4] = {p.batch, p.heads, p.seqlen_q, (p.seqlen_k + 15) / 16};
+    const char* names[4] = {"batch", "heads", "seqlen_q", "words per row = ceil(Lk / 16)"};
+    for (int d = 0; d < 4; ++d) check_dim(c, "compressed_meta", a.compressed_meta, d, names[d], want[d]);
+    outputs.push_back({"compressed_meta", &a.compressed_meta});
+  }
+}
+
 }  // namespace
 
 status build_forward_params(const forward_args& a, const attention_config& config, const char* op,
@@ -369,6 +422,7 @@ status build_forward_params(const forward_args& a, const attention_config& confi
     check_lse(c, a.lse, p);
     outputs.push_back({"lse", &a.lse});
   }
+  check_compressed(c, a, config, p, outputs);
   if (c.failed()) return c.result();
   std::vector<named_view> inputs{{"q", &a.q}, {"k", &a.k}, {"v", &a.v}};
   if (a.bias.present()) inputs.push_back({"bias", &a.bias});
@@ -382,6 +436,15 @@ status build_forward_params(const forward_args& a, const attention_config& confi
   if (a.lse.present()) {
     p.lse = a.lse.data;
     copy_strides(a.lse, p.lse_stride, 3);
+  }
+  if (a.compressed_values.present()) {
+    p.compressed_values = static_cast<float*>(a.compressed_values.data);
+    p.compressed_indices = static_cast<std::int32_t*>(a.compressed_indices.data);
+    copy_strides(a.compressed_values, p.compressed_stride, 4);
+  }
+  if (a.compressed_meta.present()) {
+    p.compressed_meta = static_cast<std::uint16_t*>(a.compressed_meta.data);
+    copy_strides(a.compressed_meta, p.compressed_meta_stride, 4);
   }
   return status::success();
 }

@@ -12,4 +12,13 @@ namespace dfss::cpu {
 /// results are bitwise identical for every thread count.
 status fused_forward_scalar(const attention_params& p) noexcept;
 
+/// @brief AVX2 + FMA fused forward (f16 inputs need F16C); same contract as the scalar twin.
+/// The caller (the selector) checks the CPU features first.
+status fused_forward_avx2(const attention_params& p) noexcept;
+
+/// @brief The paper's three-stage pipeline on the CPU: (a) Q K^T with the N:M selection fused into
+/// the tile epilogue, writing compressed values, indices and (1:2, 2:4) metadata; (b) softmax over
+/// the compressed rows; (c) compressed-by-dense product with V. Writes p.compressed_* when non-null.
+status three_stage_forward(const attention_params& p) noexcept;
+
 }  // namespace dfss::cpu

@@ -259,7 +259,18 @@ TEST(Api, SelectorAnswersSupportAndWhatRuns) {
   attention_config cfg;
   auto s = select_kernel(fx.f, cfg);
   EXPECT_TRUE(s.supported());
-  EXPECT_EQ(s.name, "cpu.fused_forward.scalar");
+  const auto feats = get_build_info().cpu_features;
+  const bool avx2 = std::find(feats.begin(), feats.end(), "avx2") != feats.end() &&
+                    std::find(feats.begin(), feats.end(), "fma") != feats.end();
+  EXPECT_EQ(s.name, avx2 ? "cpu.fused_forward.avx2" : "cpu.fused_forward.scalar");
+  cfg.cpu_isa = cpu_isa::generic;
+  EXPECT_EQ(select_kernel(fx.f, cfg).name, "cpu.fused_forward.scalar");
+  cfg.cpu_isa = cpu_isa::avx2;
+  EXPECT_EQ(select_kernel(fx.f, cfg).supported(), avx2);
+  cfg.cpu_isa = cpu_isa::automatic;
+  cfg.cpu_algorithm = cpu_algorithm::three_stage;
+  EXPECT_EQ(select_kernel(fx.f, cfg).name, "cpu.three_stage_forward.generic");
+  cfg.cpu_algorithm = cpu_algorithm::fused;
   cfg.backend = backend::reference;
   EXPECT_EQ(select_kernel(fx.f, cfg).name, "reference.forward");
   cfg.backend = backend::cuda;

@@ -23,6 +23,9 @@ struct attention_options {
   double scale = 0.0;
   bool causal = false;
   int threads = 0;
+  std::string algorithm = "fused";  ///< cpu backend: fused or three-stage
+  std::string isa = "automatic";    ///< cpu backend: automatic, generic or avx2
+  std::string save_compressed;      ///< three-stage only: PREFIX for .values/.indices/.meta.npy
 };
 
 /// Options of `dfss demo` (also what `dfss` with no arguments runs).
@@ -37,5 +40,9 @@ int run_attention(const attention_options& opt);
 int run_info();
 void add_demo_command(CLI::App& app, demo_options& opt);
 int run_demo(const demo_options& opt);
+
+/// `dfss bench`: registers its subcommand (options live in cmd_bench.cpp) and runs it.
+void add_bench_command(CLI::App& app);
+int run_bench();
 
 }  // namespace dfss::cli

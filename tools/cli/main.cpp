@@ -2,6 +2,7 @@
 //   dfss                      run the default example (BERT-base-sized attention, dense vs 1:2 vs 2:4)
 //   dfss attention ...        compute attention (and optionally its gradients) on .npy files
 //   dfss info                 version, compiled backends, CPU features, CUDA architectures
+//   dfss bench                benchmark table (dfss patterns vs dense vs PyTorch), --json FILE
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   app.add_subcommand("info", "Print version, compiled backends, CPU features and CUDA architectures");
   dfss::cli::demo_options demo;
   dfss::cli::add_demo_command(app, demo);
+  dfss::cli::add_bench_command(app);
 
   try {
     app.parse(argc, argv);
@@ -29,6 +31,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("attention")) return dfss::cli::run_attention(attn);
     if (app.got_subcommand("info")) return dfss::cli::run_info();
+    if (app.got_subcommand("bench")) return dfss::cli::run_bench();
     return dfss::cli::run_demo(demo);
   } catch (const std::exception& e) {
     std::cerr << "dfss: internal error: " << e.what() << "\n";

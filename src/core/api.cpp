@@ -50,6 +50,12 @@ status try_attention_forward(const forward_args& args, const attention_config& c
     if (!st.ok()) return st;
     const kernel_selection s = core::select(p, config, core::direction::forward);
     if (!s.supported()) return unsupported(kForwardOp, s);
+    if ((p.compressed_values != nullptr || p.compressed_meta != nullptr) &&
+        s.kind != kernel_kind::cpu_three_stage_forward) {
+      return {status_code::unsupported,
+              std::string(kForwardOp) + ": the compressed outputs need the cpu three-stage kernel, but '" +
+                  s.name + "' was selected (the cpu backend takes f32, f16 and bf16 inputs)"};
+    }
     return run_forward(p, s);
   } catch (const std::exception& e) {
     return {status_code::internal, std::string(kForwardOp) + ": " + e.what()};

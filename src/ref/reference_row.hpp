@@ -107,9 +107,10 @@ inline void compute_row(const attention_params& p, const kv_block& kv, std::int6
   for (std::int64_t j = 0; j < L; ++j) r.prob[static_cast<std::size_t>(j)] /= sum;
   r.lse = p.scale * mx + std::log(sum);
 
-  // 5. O = P V over kept keys only (a pruned key's value never enters the row).
+  // 5. O = P V over kept keys only. A pruned key, or a kept key whose score is -inf (masked), has
+  // P = 0 and never enters the row, so a NaN in its value row cannot leak in as 0 * NaN.
   for (std::int64_t j = 0; j < L; ++j) {
-    if (!r.kept[static_cast<std::size_t>(j)]) continue;
+    if (!r.kept[static_cast<std::size_t>(j)] || r.s[static_cast<std::size_t>(j)] == neg_inf) continue;
     const double pj = r.prob[static_cast<std::size_t>(j)];
     for (std::int64_t c = 0; c < d; ++c) r.out[static_cast<std::size_t>(c)] += pj * kv.v[static_cast<std::size_t>(j * d + c)];
   }

@@ -14,6 +14,8 @@ struct run_options {
   bool bhld = false;  // store q, k, v, o (and grads) as [B, H, L, d] and pass strided views
   int threads = 0;
   bool want_lse = true;
+  dfss::cpu_isa isa = dfss::cpu_isa::automatic;
+  dfss::cpu_algorithm algorithm = dfss::cpu_algorithm::fused;
 };
 
 struct forward_result {
@@ -94,6 +96,8 @@ struct runner {
     cfg.causal = pr.causal;
     cfg.backend = opt.backend;
     cfg.num_threads = opt.threads;
+    cfg.cpu_isa = opt.isa;
+    cfg.cpu_algorithm = opt.algorithm;
   }
 
   forward_result forward() {

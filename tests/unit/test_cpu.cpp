@@ -1,4 +1,5 @@
-// The CPU backend (generic scalar fused forward) against the fp64 reference.
+// The CPU backend's fused forward kernels (generic scalar and AVX2, every one this CPU can run)
+// against the fp64 reference and against each other.
 //
 // Tolerance policy: scores of small-integer inputs are exact in fp32, so the selection must equal the
 // reference's exactly and only the softmax and P V carry rounding: each output is a convex
@@ -14,6 +15,17 @@ namespace dfss::testing {
 namespace {
 
 constexpr double kEps32 = 1.0 / (1 << 23);
+
+/// The ISAs this machine can run; every test below runs for each of them.
+std::vector<cpu_isa> runnable_isas() {
+  std::vector<cpu_isa> out{cpu_isa::generic};
+  const auto f = get_build_info().cpu_features;
+  auto has = [&](const char* x) { return std::find(f.begin(), f.end(), x) != f.end(); };
+  if (has("avx2") && has("fma") && has("f16c")) out.push_back(cpu_isa::avx2);
+  return out;
+}
+
+const char* isa_name(cpu_isa i) { return i == cpu_isa::avx2 ? "avx2" : "generic"; }
 
 double output_tol(const problem& pr, dtype out) {
   double vmax = 0;
@@ -52,9 +64,11 @@ TEST(Cpu, FusedScalarMatchesReferenceOnExactScores) {
   std::mt19937_64 rng(test_seed() + 11);
   for (const auto& pr : cpu_shapes(rng, /*integers=*/true)) {
     const auto want = run_forward(pr);
+    for (cpu_isa isa : runnable_isas())
     for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
       for (dtype out : {t, dtype::f32}) {
         run_options opt;
+        opt.isa = isa;
         opt.type = t;
         opt.out_type = out;
         opt.backend = backend::cpu;
@@ -65,7 +79,7 @@ TEST(Cpu, FusedScalarMatchesReferenceOnExactScores) {
           ASSERT_TRUE(std::isfinite(got.o[x])) << pr.describe() << " at " << x;
           err = std::max(err, std::abs(got.o[x] - want.o[x]));
         }
-        EXPECT_LE(err, output_tol(pr, out)) << pr.describe() << " " << dtype_name(t) << "->" << dtype_name(out);
+        EXPECT_LE(err, output_tol(pr, out)) << pr.describe() << " " << isa_name(isa) << " " << dtype_name(t) << "->" << dtype_name(out);
         for (std::size_t x = 0; x < got.lse.size(); ++x) {
           if (std::isinf(want.lse[x])) {
             EXPECT_EQ(got.lse[x], want.lse[x]) << pr.describe();
@@ -109,9 +123,11 @@ TEST(Cpu, FusedScalarMatchesReferenceOnRandomInputs) {
   for (auto pr : cpu_shapes(rng, /*integers=*/false)) {
     pr.has_bias = false;  // keep the near-tie analysis to Q K^T alone
     const auto want = run_forward(pr);
+    for (cpu_isa isa : runnable_isas()) {
     run_options opt;
     opt.type = dtype::f32;
     opt.backend = backend::cpu;
+    opt.isa = isa;
     const auto got = run_forward(pr, opt);
     // fp32 dot products of d terms in [-1, 1]: error below d * eps_f32 (times 4 for margin).
     const auto ties = near_tie_rows(pr, 4.0 * static_cast<double>(pr.d) * kEps32);
@@ -123,10 +139,11 @@ TEST(Cpu, FusedScalarMatchesReferenceOnRandomInputs) {
       }
       for (std::int64_t c = 0; c < pr.d; ++c) {
         const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
-        ASSERT_NEAR(got.o[x], want.o[x], output_tol(pr, dtype::f32)) << pr.describe() << " row " << r;
+        ASSERT_NEAR(got.o[x], want.o[x], output_tol(pr, dtype::f32)) << pr.describe() << " " << isa_name(isa) << " row " << r;
       }
     }
     EXPECT_LE(skipped, ties.size() / 50 + 1) << "too many near-tie rows to be a meaningful test";
+    }
   }
 }
 
@@ -135,16 +152,22 @@ TEST(Cpu, ResultsAreBitwiseIdenticalForAnyThreadCount) {
   problem pr;
   pr.B = 2, pr.Lq = 37, pr.Lk = 101, pr.H = 3, pr.Hkv = 1, pr.d = 16, pr.causal = true;
   fill(pr, rng);
-  run_options opt;
-  opt.type = dtype::f32;
-  opt.backend = backend::cpu;
-  opt.threads = 1;
-  const auto one = run_forward(pr, opt);
-  for (int t : {2, 3, 7}) {
-    opt.threads = t;
-    const auto many = run_forward(pr, opt);
-    EXPECT_EQ(one.o, many.o) << t << " threads";
-    EXPECT_EQ(one.lse, many.lse) << t << " threads";
+  for (cpu_isa isa : runnable_isas()) {
+    for (bool causal : {false, true}) {
+      pr.causal = causal;
+      run_options opt;
+      opt.type = dtype::f32;
+      opt.backend = backend::cpu;
+      opt.isa = isa;
+      opt.threads = 1;
+      const auto one = run_forward(pr, opt);
+      for (int t : {2, 3, 7}) {
+        opt.threads = t;
+        const auto many = run_forward(pr, opt);
+        EXPECT_EQ(one.o, many.o) << isa_name(isa) << " causal=" << causal << " " << t << " threads";
+        EXPECT_EQ(one.lse, many.lse) << isa_name(isa) << " causal=" << causal << " " << t << " threads";
+      }
+    }
   }
 }
 
@@ -156,11 +179,14 @@ TEST(Cpu, EmptyRowsAndNaN) {
   pr.key_lengths = {9, 0};
   fill(pr, rng);
   pr.q[static_cast<std::size_t>(10 * 4 + 2)] = kNaN;  // batch 0, row 10
+  pr.v[static_cast<std::size_t>(8 * 4 + 1)] = kNaN;   // batch 0, key 8: visible only to the last row
+  const auto want = run_forward(pr);
+  for (cpu_isa isa : runnable_isas()) {
   run_options opt;
   opt.type = dtype::f32;
   opt.backend = backend::cpu;
+  opt.isa = isa;
   const auto got = run_forward(pr, opt);
-  const auto want = run_forward(pr);
   EXPECT_LE(max_rel_err(got.lse, want.lse), 1e-5);
   for (std::size_t x = 0; x < got.o.size(); ++x) {
     EXPECT_EQ(std::isnan(got.o[x]), std::isnan(want.o[x])) << x;
@@ -170,6 +196,41 @@ TEST(Cpu, EmptyRowsAndNaN) {
   }
   EXPECT_TRUE(std::isnan(got.o[static_cast<std::size_t>(10 * 4)]));
   EXPECT_EQ(got.lse[0], -kInf);
+  }
+}
+
+TEST(Cpu, Avx2AgreesWithGenericOnLargerShapes) {
+  // Shapes that exercise several key tiles, partial tiles, d not a multiple of 8 or above 64, and
+  // the generic N:M path inside the AVX2 kernel.
+  if (runnable_isas().size() < 2) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  std::mt19937_64 rng(test_seed() + 15);
+  struct shape {
+    std::int64_t B, Lq, Lk, H, Hkv, d;
+  };
+  for (const auto& s : {shape{1, 70, 300, 2, 1, 64}, shape{2, 33, 257, 2, 2, 13}, shape{1, 5, 520, 1, 1, 96},
+                        shape{1, 40, 130, 3, 3, 128}}) {
+    for (pattern pat : {pattern{1, 1}, pattern{1, 2}, pattern{2, 4}, pattern{3, 8}, pattern{5, 7}}) {
+      problem pr;
+      pr.B = s.B, pr.Lq = s.Lq, pr.Lk = s.Lk, pr.H = s.H, pr.Hkv = s.Hkv, pr.d = s.d, pr.pat = pat;
+      pr.causal = s.d == 13;
+      pr.has_bias = s.d == 96;
+      fill(pr, rng, /*integers=*/true);
+      run_options opt;
+      opt.type = dtype::f32;
+      opt.backend = backend::cpu;
+      opt.isa = cpu_isa::generic;
+      const auto a = run_forward(pr, opt);
+      opt.isa = cpu_isa::avx2;
+      const auto b = run_forward(pr, opt);
+      const auto want = run_forward(pr);
+      double err = 0;
+      for (std::size_t x = 0; x < a.o.size(); ++x) {
+        ASSERT_TRUE(std::isfinite(b.o[x])) << pr.describe();
+        err = std::max({err, std::abs(a.o[x] - want.o[x]), std::abs(b.o[x] - want.o[x])});
+      }
+      EXPECT_LE(err, output_tol(pr, dtype::f32)) << pr.describe();
+    }
+  }
 }
 
 }  // namespace

@@ -67,6 +67,19 @@ int fail(const std::string& message) {
   return kExitBadInput;
 }
 
+cpu_algorithm parse_algorithm(const std::string& text) {
+  if (text == "fused") return cpu_algorithm::fused;
+  if (text == "three-stage" || text == "three_stage") return cpu_algorithm::three_stage;
+  throw bad_input("--algorithm: expected fused or three-stage, got '" + text + "'");
+}
+
+cpu_isa parse_isa(const std::string& text) {
+  if (text == "automatic") return cpu_isa::automatic;
+  if (text == "generic") return cpu_isa::generic;
+  if (text == "avx2") return cpu_isa::avx2;
+  throw bad_input("--isa: expected automatic, generic or avx2, got '" + text + "'");
+}
+
 }  // namespace
 
 void add_attention_command(CLI::App& app, attention_options& o) {
@@ -83,6 +96,15 @@ void add_attention_command(CLI::App& app, attention_options& o) {
   c->add_option("--bias", o.bias, "additive bias [B or 1, H or 1, Lq, Lk] (leading 1s may be omitted)");
   c->add_option("--backend", o.backend, "automatic, reference, cpu or cuda")->capture_default_str();
   c->add_option("--threads", o.threads, "worker threads (0: all)");
+  c->add_option("--algorithm", o.algorithm,
+                "cpu backend: fused (single pass) or three-stage (the paper's Q K^T + selection, softmax, "
+                "SpMM pipeline)")
+      ->capture_default_str();
+  c->add_option("--isa", o.isa, "cpu backend instruction set: automatic, generic or avx2")->capture_default_str();
+  c->add_option("--save-compressed", o.save_compressed,
+                "with --algorithm three-stage: write the compressed scores to PREFIX.values.npy (float32 "
+                "[B, H, Lq, ceil(Lk/M)*N]), PREFIX.indices.npy (int32) and, for 1:2 and 2:4, PREFIX.meta.npy "
+                "(uint16 [B, H, Lq, ceil(Lk/16)] metadata words)");
   c->add_option("--dout", o.dout, "upstream gradient dO [B, Lq, H, d]: also run the backward pass");
   c->add_option("--dq", o.dq, "write dQ here (with --dout)");
   c->add_option("--dk", o.dk, "write dK here (with --dout)");
@@ -98,6 +120,13 @@ int run_attention(const attention_options& o) {
     cfg.scale = o.scale;
     cfg.causal = o.causal;
     cfg.num_threads = o.threads;
+    cfg.cpu_algorithm = parse_algorithm(o.algorithm);
+    cfg.cpu_isa = parse_isa(o.isa);
+    const bool save_compressed = !o.save_compressed.empty();
+    if (save_compressed && cfg.cpu_algorithm != cpu_algorithm::three_stage) {
+      return fail("--save-compressed needs --algorithm three-stage (the fused kernel never forms the compressed "
+                  "scores)");
+    }
 
     const bool backward = !o.dout.empty();
     if (backward && (o.dq.empty() || o.dk.empty() || o.dv.empty())) {
@@ -152,9 +181,37 @@ int run_attention(const attention_options& o) {
       fa.bias = view_of(bias);
     }
 
+    // The three-stage pipeline's compressed scores: [B, H, Lq, ceil(Lk/M) * N] values and indices,
+    // and for the sparse tensor core patterns 1:2 and 2:4 the row-order metadata words.
+    npy::array cvalues, cindices, cmeta;
+    const bool hw_pattern = (cfg.pattern.n == 1 && cfg.pattern.m == 2) || (cfg.pattern.n == 2 && cfg.pattern.m == 4);
+    if (save_compressed) {
+      const auto Lk = k.shape[1];
+      const std::int64_t slots = (Lk + cfg.pattern.m - 1) / cfg.pattern.m * cfg.pattern.n;
+      cvalues = make_output(dtype::f32, {B, H, Lq, slots});
+      cindices = make_output(dtype::i32, {B, H, Lq, slots});
+      fa.compressed_values = view_of(cvalues);
+      fa.compressed_indices = view_of(cindices);
+      if (hw_pattern) {
+        cmeta = make_output(dtype::u16, {B, H, Lq, (Lk + 15) / 16});
+        fa.compressed_meta = view_of(cmeta);
+      }
+      const kernel_selection sel = select_kernel(fa, cfg);
+      if (sel.kind != kernel_kind::cpu_three_stage_forward) {
+        return fail("--save-compressed needs the cpu three-stage kernel, but this call would run " +
+                    (sel.supported() ? sel.name : "nothing (" + sel.reason + ")") +
+                    (q.type == dtype::f64 ? " (the cpu backend takes float32 and float16 inputs, not float64)" : ""));
+      }
+    }
+
     attention_forward(fa, cfg);
     npy::write(o.out, out);
     if (!o.lse.empty()) npy::write(o.lse, lse);
+    if (save_compressed) {
+      npy::write(o.save_compressed + ".values.npy", cvalues);
+      npy::write(o.save_compressed + ".indices.npy", cindices);
+      if (hw_pattern) npy::write(o.save_compressed + ".meta.npy", cmeta);
+    }
 
     if (backward) {
       npy::array dout = load_operand(o.dout, "--dout");

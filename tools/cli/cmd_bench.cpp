@@ -1,11 +1,1202 @@
-// Placeholder: `dfss bench` is being written.
+// `dfss bench`: the benchmark table of the CPU backend, with its peers measured in the same run.
+//
+// Rows: every (shape, pattern, algorithm) of dfss on the cpu backend, then PyTorch (each Python
+// interpreter that imports torch, run as a child process with the same thread count), then the
+// OpenBLAS sgemm 2048^3 yardstick (loaded with dlopen when the library is installed, so the build
+// needs no BLAS). Columns: median / min / max milliseconds, dense-equivalent GFLOP/s (4 Lq Lk d per
+// head for every pattern, so the column is proportional to 1 / time), speedup against dfss dense
+// fused on the same shape in the same run, and the max abs error against the fp64 reference backend
+// on the first --ref-rows query rows of every head (the sweep is non-causal, so rows are
+// independent and a slice of Q gives the exact reference of those rows).
+//
+// Fairness rules (docs/benchmarks.md): everything in one run, the same thread count everywhere
+// (dfss num_threads, torch.set_num_threads plus OMP/OpenBLAS/MKL variables, OpenBLAS threads),
+// medians, and ratios rather than absolute times across runs. The dfss configurations of one shape
+// are timed round-robin (one call of each in turn) so that the noise of a shared machine falls on
+// all of them alike.
+//
+// `dfss bench --memory` runs one forward call per row in a child process (this binary re-executed
+// with the hidden --memory-child option) and reports ru_maxrss, so that the memory growth with L of
+// the fused forward (linear: no L x L buffer) is visible next to what a score matrix would need.
 #include <CLI/CLI.hpp>
+#include <dlfcn.h>
+#include <omp.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "cli/commands.hpp"
+#include "dfss/build_info.hpp"
+#include "dfss/dfss.hpp"
+
+#ifndef DFSS_BENCH_SCRIPT_DIR
+#define DFSS_BENCH_SCRIPT_DIR ""
+#endif
+#ifndef DFSS_BENCH_SOURCE_DIR
+#define DFSS_BENCH_SOURCE_DIR ""
+#endif
 
 namespace dfss::cli {
+namespace {
 
-void add_bench_command(CLI::App& app) { app.add_subcommand("bench", "Benchmark table (being written)"); }
-int run_bench() { return kExitInternal; }
+// ---------------------------------------------------------------------------------------------
+// Options
+// ---------------------------------------------------------------------------------------------
+
+struct bench_options {
+  std::vector<long long> lengths{512, 1024, 2048, 4096};
+  std::vector<std::string> patterns{"dense", "1:2", "2:4"};
+  std::vector<std::string> algorithms{"fused", "three-stage"};
+  std::vector<std::string> isas{"automatic"};
+  long long batch = 1, heads = 12, head_dim = 64;
+  int threads = 2;
+  std::string dtype_name = "f32";
+  int warmup = 2, iters = 7;
+  double budget_s = 20.0;
+  unsigned long long seed = 2023;
+  long long ref_rows = 32;
+  std::string json;
+  bool no_torch = false, no_torch_tuned = false, no_sgemm = false, no_ref = false;
+  std::vector<std::string> python{"/usr/bin/python3", "python3"};
+  std::string torch_script;
+  bool backward = false;
+  // --memory
+  bool memory = false;
+  std::vector<long long> memory_lengths{1024, 16384};
+  std::vector<std::string> memory_patterns{"2:4"};
+  long long memory_heads = 1;
+  long long memory_child = 0;  // hidden: run one forward call of this length and print ru_maxrss
+};
+
+bench_options g_opt;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// ---------------------------------------------------------------------------------------------
+// Small utilities
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+std::string join(const std::vector<T>& v, const char* sep = ",") {
+  std::ostringstream s;
+  for (std::size_t i = 0; i < v.size(); ++i) s << (i ? sep : "") << v[i];
+  return s.str();
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'') {
+      out += "'\\''";
+    } else {
+      out += c;
+    }
+  }
+  return out + "'";
+}
+
+/// Runs a shell command and returns its standard output (standard error is not captured).
+std::string capture(const std::string& command, int* exit_status = nullptr) {
+  std::string out;
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) {
+    if (exit_status) *exit_status = -1;
+    return out;
+  }
+  char buf[4096];
+  std::size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
+  const int rc = pclose(p);
+  if (exit_status) *exit_status = rc;
+  return out;
+}
+
+std::string trim(std::string s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  std::size_t i = 0;
+  while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
+  return s.substr(i);
+}
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return {};
+  return std::string(buf, static_cast<std::size_t>(n));
+}
+
+bool file_exists(const std::string& path) { return !path.empty() && access(path.c_str(), R_OK) == 0; }
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return trim(line.substr(colon + 1));
+    }
+  }
+  return "unknown";
+}
+
+/// The 1-minute load average (other processes competing for the cores make every number noisier).
+std::string load_average() {
+  std::ifstream f("/proc/loadavg");
+  std::string one;
+  f >> one;
+  return one.empty() ? "unknown" : one;
+}
+
+std::string now_utc() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+/// "abc1234" (+ " (uncommitted changes)") of the source tree this binary was built from, or "".
+std::string git_commit() {
+  const std::string dir = DFSS_BENCH_SOURCE_DIR;
+  if (dir.empty()) return {};
+  const std::string q = shell_quote(dir);
+  std::string head = trim(capture("git -C " + q + " rev-parse --short HEAD 2>/dev/null"));
+  if (head.empty()) return {};
+  if (!trim(capture("git -C " + q + " status --porcelain --untracked-files=no 2>/dev/null")).empty()) {
+    head += " (uncommitted changes)";
+  }
+  return head;
+}
+
+struct stats {
+  double median = kNaN, min = kNaN, max = kNaN;
+};
+
+stats summarize(std::vector<double> v) {
+  stats s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  s.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  s.min = v.front();
+  s.max = v.back();
+  return s;
+}
+
+double elapsed_ms(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Timed calls for a configuration whose first call took @p first_ms: --iters, reduced so that the
+/// configuration stays near --budget seconds, never below 3.
+int timed_iterations(double first_ms) {
+  int iters = g_opt.iters;
+  if (first_ms * iters > g_opt.budget_s * 1e3) {
+    iters = std::max(3, static_cast<int>(g_opt.budget_s * 1e3 / std::max(first_ms, 1e-6)));
+  }
+  return std::min(iters, g_opt.iters);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A minimal JSON reader (the torch script's output): objects, arrays, strings, numbers, literals.
+// ---------------------------------------------------------------------------------------------
+
+struct jvalue {
+  enum class kind { null, boolean, number, string, array, object } k = kind::null;
+  bool b = false;
+  double num = 0;
+  std::string str;
+  std::vector<jvalue> arr;
+  std::vector<std::pair<std::string, jvalue>> obj;
+
+  const jvalue* get(const std::string& key) const {
+    for (const auto& [name, value] : obj)
+      if (name == key) return &value;
+    return nullptr;
+  }
+  std::string get_str(const std::string& key, const std::string& fallback = {}) const {
+    const jvalue* v = get(key);
+    return v && v->k == kind::string ? v->str : fallback;
+  }
+  double get_num(const std::string& key) const {
+    const jvalue* v = get(key);
+    return v && v->k == kind::number ? v->num : kNaN;
+  }
+};
+
+class json_reader {
+ public:
+  explicit json_reader(std::string text) : s_(std::move(text)) {}
+  bool parse(jvalue& out) {
+    try {
+      out = value();
+      ws();
+      return i_ == s_.size();
+    } catch (const std::runtime_error&) {
+      return false;
+    }
+  }
+
+ private:
+  std::string s_;
+  std::size_t i_ = 0;
+
+  [[noreturn]] void fail() const { throw std::runtime_error("bad json"); }
+  void ws() {
+    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
+  }
+  char peek() {
+    ws();
+    if (i_ >= s_.size()) fail();
+    return s_[i_];
+  }
+  void expect(char c) {
+    if (peek() != c) fail();
+    ++i_;
+  }
+  bool literal(const char* word) {
+    const std::size_t n = std::strlen(word);
+    if (s_.compare(i_, n, word) == 0) {
+      i_ += n;
+      return true;
+    }
+    return false;
+  }
+  std::string string_value() {
+    expect('"');
+    std::string out;
+    while (true) {
+      if (i_ >= s_.size()) fail();
+      const char c = s_[i_++];
+      if (c == '"') return out;
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (i_ >= s_.size()) fail();
+      const char e = s_[i_++];
+      switch (e) {
+        case 'n': out += '\n'; break;
+        case 't': out += '\t'; break;
+        case 'r': out += '\r'; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'u': {
+          if (i_ + 4 > s_.size()) fail();
+          const unsigned long cp = std::strtoul(s_.substr(i_, 4).c_str(), nullptr, 16);
+          i_ += 4;
+          out += cp < 0x80 ? static_cast<char>(cp) : '?';  // only ASCII matters here
+          break;
+        }
+        default: out += e;
+      }
+    }
+  }
+  jvalue value() {
+    jvalue v;
+    const char c = peek();
+    if (c == '{') {
+      v.k = jvalue::kind::object;
+      ++i_;
+      if (peek() == '}') {
+        ++i_;
+        return v;
+      }
+      while (true) {
+        std::string key = string_value();
+        expect(':');
+        v.obj.emplace_back(std::move(key), value());
+        if (peek() == ',') {
+          ++i_;
+          continue;
+        }
+        expect('}');
+        return v;
+      }
+    }
+    if (c == '[') {
+      v.k = jvalue::kind::array;
+      ++i_;
+      if (peek() == ']') {
+        ++i_;
+        return v;
+      }
+      while (true) {
+        v.arr.push_back(value());
+        if (peek() == ',') {
+          ++i_;
+          continue;
+        }
+        expect(']');
+        return v;
+      }
+    }
+    if (c == '"') {
+      v.k = jvalue::kind::string;
+      v.str = string_value();
+      return v;
+    }
+    if (literal("true")) {
+      v.k = jvalue::kind::boolean;
+      v.b = true;
+      return v;
+    }
+    if (literal("false")) {
+      v.k = jvalue::kind::boolean;
+      return v;
+    }
+    if (literal("null")) return v;
+    if (literal("NaN")) {  // Python's json writes NaN / Infinity for non-finite floats
+      v.k = jvalue::kind::number;
+      v.num = kNaN;
+      return v;
+    }
+    if (literal("Infinity")) {
+      v.k = jvalue::kind::number;
+      v.num = std::numeric_limits<double>::infinity();
+      return v;
+    }
+    const char* begin = s_.c_str() + i_;
+    char* end = nullptr;
+    v.num = std::strtod(begin, &end);
+    if (end == begin) fail();
+    i_ += static_cast<std::size_t>(end - begin);
+    v.k = jvalue::kind::number;
+    return v;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// JSON writing
+// ---------------------------------------------------------------------------------------------
+
+std::string jstr(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string jnum(double x) {
+  if (!std::isfinite(x)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.6g", x);
+  return buf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows of the table
+// ---------------------------------------------------------------------------------------------
+
+struct row {
+  std::string source;     // "dfss" or "torch"
+  long long B = 0, H = 0, L = 0, d = 0;
+  std::string pattern;    // "dense", "1:2", ...
+  std::string algorithm;  // "fused", "three-stage", or the torch label
+  std::string isa;        // requested ISA (dfss rows)
+  std::string kernel;     // selector name, or the torch interpreter
+  bool ok = false;
+  std::string reason;  // why not ok
+  int iters = 0;
+  stats ms;
+  double gflops = kNaN, speedup = kNaN, max_err = kNaN;
+};
+
+double attention_flops(long long B, long long H, long long L, long long d) {
+  return 4.0 * static_cast<double>(B) * static_cast<double>(H) * static_cast<double>(L) *
+         static_cast<double>(L) * static_cast<double>(d);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inputs
+// ---------------------------------------------------------------------------------------------
+
+/// One [B, L, H, d] tensor of standard normal values in the benchmark's input type.
+struct input_tensor {
+  dtype type = dtype::f32;
+  std::vector<float> f32;
+  std::vector<half> f16;
+  std::vector<bfloat16> b16;
+
+  void fill(std::size_t n, dtype t, std::mt19937_64& rng) {
+    type = t;
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    f32.resize(n);
+    for (auto& x : f32) x = normal(rng);
+    if (t == dtype::f16) {
+      f16.resize(n);
+      for (std::size_t i = 0; i < n; ++i) f16[i] = half{float_to_f16(f32[i])};
+      std::vector<float>().swap(f32);
+    } else if (t == dtype::bf16) {
+      b16.resize(n);
+      for (std::size_t i = 0; i < n; ++i) b16[i] = bfloat16{float_to_bf16(f32[i])};
+      std::vector<float>().swap(f32);
+    }
+  }
+  /// The stored (rounded) value of element i, exactly.
+  double at(std::size_t i) const {
+    switch (type) {
+      case dtype::f16: return static_cast<double>(f16_to_float(f16[i].bits));
+      case dtype::bf16: return static_cast<double>(bf16_to_float(b16[i].bits));
+      default: return static_cast<double>(f32[i]);
+    }
+  }
+  tensor_view view(std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t d) {
+    switch (type) {
+      case dtype::f16: return make_view(f16.data(), {B, L, H, d});
+      case dtype::bf16: return make_view(b16.data(), {B, L, H, d});
+      default: return make_view(f32.data(), {B, L, H, d});
+    }
+  }
+  std::size_t bytes() const { return f32.size() * 4 + f16.size() * 2 + b16.size() * 2; }
+};
+
+dtype parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "fp32" || s == "float32") return dtype::f32;
+  if (s == "f16" || s == "fp16" || s == "float16") return dtype::f16;
+  if (s == "bf16" || s == "bfloat16") return dtype::bf16;
+  throw error(status_code::invalid_argument,
+              "dfss bench: argument '--dtype': expected f32, f16 or bf16, got '" + s + "'");
+}
+
+cpu_algorithm parse_algorithm(const std::string& s) {
+  if (s == "fused") return cpu_algorithm::fused;
+  if (s == "three-stage" || s == "three_stage") return cpu_algorithm::three_stage;
+  throw error(status_code::invalid_argument,
+              "dfss bench: argument '--algorithms': expected fused or three-stage, got '" + s + "'");
+}
+
+cpu_isa parse_isa(const std::string& s) {
+  if (s == "automatic" || s == "auto") return cpu_isa::automatic;
+  if (s == "generic" || s == "scalar") return cpu_isa::generic;
+  if (s == "avx2") return cpu_isa::avx2;
+  throw error(status_code::invalid_argument,
+              "dfss bench: argument '--isa': expected automatic, generic or avx2, got '" + s + "'");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The OpenBLAS sgemm yardstick (dlopen: no build-time dependency)
+// ---------------------------------------------------------------------------------------------
+
+struct sgemm_result {
+  bool ok = false;
+  std::string library, corename, reason;
+  int n = 2048;
+  stats ms;
+  double gflops = kNaN;
+};
+
+sgemm_result run_sgemm_yardstick(int threads) {
+  sgemm_result r;
+  // OpenBLAS reads OPENBLAS_NUM_THREADS when it is loaded; set it before dlopen (and call
+  // openblas_set_num_threads as well, in case the library was already loaded).
+  const std::string t = std::to_string(threads);
+  setenv("OPENBLAS_NUM_THREADS", t.c_str(), 1);
+  void* lib = nullptr;
+  for (const char* name : {"libopenblas.so.0", "libopenblas.so"}) {
+    lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (lib) {
+      r.library = name;
+      break;
+    }
+  }
+  if (!lib) {
+    r.reason = "OpenBLAS not found (Debian: apt-get install libopenblas-dev)";
+    return r;
+  }
+  using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                            float, float*, int);
+  using set_threads_fn = void (*)(int);
+  using corename_fn = char* (*)();
+  auto sym = [&](const char* name, auto& fn) {
+    void* p = dlsym(lib, name);
+    std::memcpy(&fn, &p, sizeof fn);
+    return p != nullptr;
+  };
+  sgemm_fn sgemm = nullptr;
+  set_threads_fn set_threads = nullptr;
+  corename_fn corename = nullptr;
+  if (!sym("cblas_sgemm", sgemm)) {
+    r.reason = "cblas_sgemm not found in " + r.library;
+    return r;
+  }
+  if (sym("openblas_set_num_threads", set_threads)) set_threads(threads);
+  if (sym("openblas_get_corename", corename)) r.corename = corename();
+
+  const int n = r.n;
+  const auto nn = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
+  std::vector<float> a(nn), b(nn), c(nn);
+  std::mt19937_64 rng(g_opt.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& x : a) x = normal(rng);
+  for (auto& x : b) x = normal(rng);
+  constexpr int kRowMajor = 101, kNoTrans = 111;
+  auto call = [&] { sgemm(kRowMajor, kNoTrans, kNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n); };
+  auto t0 = std::chrono::steady_clock::now();
+  call();
+  const double first = elapsed_ms(t0);
+  for (int i = 1; i < g_opt.warmup; ++i) call();
+  std::vector<double> ms;
+  const int iters = timed_iterations(first);
+  for (int i = 0; i < iters; ++i) {
+    t0 = std::chrono::steady_clock::now();
+    call();
+    ms.push_back(elapsed_ms(t0));
+  }
+  r.ms = summarize(ms);
+  r.gflops = 2.0 * n * static_cast<double>(n) * n / (r.ms.median * 1e6);
+  r.ok = true;
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// dfss rows
+// ---------------------------------------------------------------------------------------------
+
+struct run_state {
+  row r;
+  attention_config cfg;
+  std::vector<float> out;
+  std::vector<double> ms;
+  int target = 0;
+};
+
+void bench_length(long long L, dtype type, std::vector<row>& rows) {
+  const std::int64_t B = g_opt.batch, H = g_opt.heads, d = g_opt.head_dim;
+  const auto n = static_cast<std::size_t>(B * L * H * d);
+  std::mt19937_64 rng(g_opt.seed + static_cast<unsigned long long>(L));
+  input_tensor q, k, v;
+  q.fill(n, type, rng);
+  k.fill(n, type, rng);
+  v.fill(n, type, rng);
+  forward_args a;
+  a.q = q.view(B, L, H, d);
+  a.k = k.view(B, L, H, d);
+  a.v = v.view(B, L, H, d);
+
+  // The configurations of this shape. Three-stage rows are made for the sparse patterns (the
+  // three-stage pipeline of dense attention is not the paper's) and once, not per ISA (the selector
+  // has one three-stage kernel).
+  std::vector<std::unique_ptr<run_state>> runs;
+  for (std::size_t ii = 0; ii < g_opt.isas.size(); ++ii) {
+    for (const auto& pat : g_opt.patterns) {
+      for (const auto& alg : g_opt.algorithms) {
+        const cpu_algorithm algorithm = parse_algorithm(alg);
+        const pattern p = pattern::parse(pat, "--patterns");
+        if (algorithm == cpu_algorithm::three_stage && (p.is_dense() || ii > 0)) continue;
+        auto s = std::make_unique<run_state>();
+        s->cfg.pattern = p;
+        s->cfg.backend = backend::cpu;
+        s->cfg.num_threads = g_opt.threads;
+        s->cfg.cpu_algorithm = algorithm;
+        s->cfg.cpu_isa = parse_isa(g_opt.isas[ii]);
+        s->r.source = "dfss";
+        s->r.B = B;
+        s->r.H = H;
+        s->r.L = L;
+        s->r.d = d;
+        s->r.pattern = p.str();
+        s->r.algorithm = algorithm == cpu_algorithm::fused ? "fused" : "three-stage";
+        s->r.isa = algorithm == cpu_algorithm::fused ? g_opt.isas[ii] : "-";
+        runs.push_back(std::move(s));
+      }
+    }
+  }
+
+  // Selection, first call (which also sizes the iteration count) and warmup.
+  for (auto& s : runs) {
+    s->out.assign(n, 0.0f);
+    a.out = make_view(s->out.data(), {B, L, H, d});
+    const kernel_selection sel = select_kernel(a, s->cfg);
+    s->r.kernel = sel.supported() ? sel.name : "-";
+    if (!sel.supported()) {
+      s->r.reason = sel.reason;
+      continue;
+    }
+    std::fprintf(stderr, "  L=%lld %s %s (%s): warmup\n", L, s->r.pattern.c_str(), s->r.algorithm.c_str(),
+                 s->r.kernel.c_str());
+    const auto t0 = std::chrono::steady_clock::now();
+    const status st = try_attention_forward(a, s->cfg);
+    const double first = elapsed_ms(t0);
+    if (!st.ok()) {
+      s->r.reason = st.message;
+      continue;
+    }
+    const int warmup = first > 1000.0 ? 1 : g_opt.warmup;
+    for (int i = 1; i < warmup; ++i) try_attention_forward(a, s->cfg);
+    s->target = timed_iterations(first);
+    s->r.ok = true;
+  }
+  // Timed calls, round-robin over the configurations.
+  for (int it = 0;; ++it) {
+    bool any = false;
+    for (auto& s : runs) {
+      if (!s->r.ok || it >= s->target) continue;
+      any = true;
+      a.out = make_view(s->out.data(), {B, L, H, d});
+      const auto t0 = std::chrono::steady_clock::now();
+      const status st = try_attention_forward(a, s->cfg);
+      const double t = elapsed_ms(t0);
+      if (!st.ok()) {
+        s->r.ok = false;
+        s->r.reason = st.message;
+        continue;
+      }
+      s->ms.push_back(t);
+    }
+    if (!any) break;
+  }
+
+  // fp64 reference on the first R query rows of every head (one per pattern).
+  const std::int64_t R = std::min<std::int64_t>(g_opt.ref_rows, L);
+  std::map<std::string, std::vector<double>> refs;
+  std::vector<double> qd, kd, vd;
+  if (!g_opt.no_ref && R > 0) {
+    qd.resize(static_cast<std::size_t>(B * R * H * d));
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t i = 0; i < R * H * d; ++i)
+        qd[static_cast<std::size_t>(b * R * H * d + i)] = q.at(static_cast<std::size_t>(b * L * H * d + i));
+    kd.resize(n);
+    vd.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      kd[i] = k.at(i);
+      vd[i] = v.at(i);
+    }
+  }
+  for (auto& s : runs) {
+    row& r = s->r;
+    r.iters = static_cast<int>(s->ms.size());
+    if (!r.ok) continue;
+    r.ms = summarize(s->ms);
+    r.gflops = attention_flops(B, H, L, d) / (r.ms.median * 1e6);
+    if (g_opt.no_ref || R == 0) continue;
+    auto [it, inserted] = refs.try_emplace(r.pattern);
+    if (inserted) {
+      std::fprintf(stderr, "  L=%lld %s: fp64 reference on %lld query rows per head\n", L, r.pattern.c_str(),
+                   static_cast<long long>(R));
+      it->second.assign(static_cast<std::size_t>(B * R * H * d), 0.0);
+      forward_args ra;
+      ra.q = make_view(qd.data(), {B, R, H, d});
+      ra.k = make_view(kd.data(), {B, L, H, d});
+      ra.v = make_view(vd.data(), {B, L, H, d});
+      ra.out = make_view(it->second.data(), {B, R, H, d});
+      attention_config rc = s->cfg;
+      rc.backend = backend::reference;
+      attention_forward(ra, rc);
+    }
+    double err = 0;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t i = 0; i < R * H * d; ++i) {
+        const double got = static_cast<double>(s->out[static_cast<std::size_t>(b * L * H * d + i)]);
+        const double want = it->second[static_cast<std::size_t>(b * R * H * d + i)];
+        const double e = std::fabs(got - want);
+        err = (std::isnan(e) || e > err) ? e : err;
+      }
+    r.max_err = err;
+  }
+  for (auto& s : runs) rows.push_back(std::move(s->r));
+}
+
+// ---------------------------------------------------------------------------------------------
+// PyTorch rows
+// ---------------------------------------------------------------------------------------------
+
+std::string find_torch_script() {
+  if (!g_opt.torch_script.empty()) return g_opt.torch_script;
+  std::vector<std::string> candidates;
+  const std::string exe = self_exe();
+  if (!exe.empty()) {
+    const std::string dir = exe.substr(0, exe.rfind('/'));
+    candidates.push_back(dir + "/../../tools/bench/torch_attention.py");  // build/tools/dfss
+    candidates.push_back(dir + "/../share/dfss/bench/torch_attention.py");  // an install
+  }
+  candidates.push_back(std::string(DFSS_BENCH_SCRIPT_DIR) + "/torch_attention.py");
+  for (const auto& c : candidates)
+    if (file_exists(c)) return c;
+  return {};
+}
+
+bool read_torch_json(const std::string& output, jvalue& out) {
+  const std::string prefix = "DFSS_TORCH_JSON ";
+  std::istringstream lines(output);
+  std::string line;
+  bool found = false;
+  while (std::getline(lines, line)) {
+    if (line.rfind(prefix, 0) != 0) continue;
+    json_reader reader(line.substr(prefix.size()));
+    found = reader.parse(out);
+  }
+  return found;
+}
+
+struct torch_peer {
+  std::string python, version, sdpa;
+};
+
+std::string torch_env(bool tuned) {
+  const std::string t = std::to_string(g_opt.threads);
+  std::string env = "env OMP_NUM_THREADS=" + t + " OPENBLAS_NUM_THREADS=" + t + " MKL_NUM_THREADS=" + t;
+  if (tuned) env += " OMP_WAIT_POLICY=passive GLIBC_TUNABLES=glibc.malloc.hugetlb=1";
+  return env + " ";
+}
+
+void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
+  const std::string script = find_torch_script();
+  if (script.empty()) {
+    notes.push_back("torch: tools/bench/torch_attention.py not found (use --torch-script PATH)");
+    return;
+  }
+  std::vector<torch_peer> peers;
+  std::set<std::string> versions;
+  for (const auto& py : g_opt.python) {
+    int rc = 0;
+    const std::string out =
+        capture(torch_env(false) + shell_quote(py) + " " + shell_quote(script) + " --probe 2>/dev/null", &rc);
+    jvalue j;
+    if (!read_torch_json(out, j)) {
+      notes.push_back("torch: " + py + ": not runnable");
+      continue;
+    }
+    if (j.get("error")) {
+      notes.push_back("torch: " + py + " (" + j.get_str("python") + "): " + j.get_str("error"));
+      continue;
+    }
+    torch_peer p{py, j.get_str("torch_version"), j.get_str("sdpa")};
+    if (!versions.insert(p.version).second) {
+      notes.push_back("torch: " + py + " (" + j.get_str("python") + "): torch " + p.version +
+                      " already measured, skipped");
+      continue;
+    }
+    notes.push_back("torch: " + py + " (" + j.get_str("python") + ", Python " + j.get_str("python_version") +
+                    "): torch " + p.version);
+    peers.push_back(p);
+  }
+  for (const auto& peer : peers) {
+    // torch 1.x is also measured "tuned" (cpu-baselines.md): passive OpenMP waiting and huge pages
+    // for glibc malloc, which removes most of its page-fault and spin costs on this kind of VM.
+    const bool old = !peer.version.empty() && peer.version[0] == '1';
+    for (bool tuned : {false, true}) {
+      if (tuned && (!old || g_opt.no_torch_tuned)) continue;
+      std::ostringstream cmd;
+      cmd << torch_env(tuned) << shell_quote(peer.python) << " " << shell_quote(script)
+          << " --lengths " << join(g_opt.lengths) << " --batch " << g_opt.batch << " --heads " << g_opt.heads
+          << " --head-dim " << g_opt.head_dim << " --threads " << g_opt.threads << " --warmup " << g_opt.warmup
+          << " --iters " << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed
+          << " --ref-rows " << g_opt.ref_rows;
+      std::fprintf(stderr, "  torch %s%s (%s)\n", peer.version.c_str(), tuned ? ", tuned" : "",
+                   peer.python.c_str());
+      int rc = 0;
+      const std::string out = capture(cmd.str(), &rc);
+      jvalue j;
+      if (!read_torch_json(out, j) || !j.get("results")) {
+        notes.push_back("torch " + peer.version + ": the script failed (exit status " + std::to_string(rc) +
+                        "); run it by hand: " + cmd.str());
+        continue;
+      }
+      const jvalue& res = *j.get("results");
+      for (const jvalue& e : res.arr) {
+        row r;
+        r.source = "torch";
+        r.B = static_cast<long long>(e.get_num("B"));
+        r.H = static_cast<long long>(e.get_num("H"));
+        r.L = static_cast<long long>(e.get_num("L"));
+        r.d = static_cast<long long>(e.get_num("d"));
+        r.pattern = "dense";
+        r.algorithm = "torch " + peer.version + " " + e.get_str("method") + (tuned ? ", tuned" : "");
+        r.isa = "-";
+        r.kernel = "python " + j.get_str("python_version") + " fp32";
+        if (e.get("error")) {
+          r.reason = e.get_str("error");
+        } else {
+          r.ok = true;
+          r.ms.median = e.get_num("ms_median");
+          r.ms.min = e.get_num("ms_min");
+          r.ms.max = e.get_num("ms_max");
+          r.iters = static_cast<int>(e.get_num("iters"));
+          r.max_err = e.get_num("max_err");
+          r.gflops = attention_flops(r.B, r.H, r.L, r.d) / (r.ms.median * 1e6);
+        }
+        rows.push_back(r);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+// ---------------------------------------------------------------------------------------------
+
+std::string repro_command() {
+  std::ostringstream c;
+  c << "dfss bench --lengths " << join(g_opt.lengths) << " --patterns " << join(g_opt.patterns)
+    << " --algorithms " << join(g_opt.algorithms) << " --isa " << join(g_opt.isas) << " --batch " << g_opt.batch
+    << " --heads " << g_opt.heads << " --head-dim " << g_opt.head_dim << " --threads " << g_opt.threads
+    << " --dtype " << g_opt.dtype_name << " --warmup " << g_opt.warmup << " --iters " << g_opt.iters
+    << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows " << g_opt.ref_rows;
+  if (g_opt.no_torch) c << " --no-torch";
+  if (!g_opt.no_torch) c << " --python " << join(g_opt.python);
+  if (g_opt.no_torch_tuned) c << " --no-torch-tuned";
+  if (g_opt.no_sgemm) c << " --no-sgemm";
+  if (g_opt.no_ref) c << " --no-ref";
+  if (!g_opt.json.empty()) c << " --json " << g_opt.json;
+  return c.str();
+}
+
+/// Fixed (or, with sci, scientific) notation with @p digits decimals; "-" for NaN.
+std::string fmt(double x, int digits, bool sci = false, const char* suffix = "") {
+  if (std::isnan(x)) return "-";
+  char buf[64];
+  if (sci) {
+    std::snprintf(buf, sizeof buf, "%.*e%s", digits, x, suffix);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.*f%s", digits, x, suffix);
+  }
+  return buf;
+}
+
+std::string fmt_ms(double x) { return fmt(x, x < 100.0 ? 2 : 1); }
+
+void print_table(const std::vector<row>& rows) {
+  std::printf("%-14s %-7s %-38s %-31s %5s %9s %9s %9s %8s %8s %9s\n", "B,H,L,d", "pattern", "algorithm / peer",
+              "kernel", "iters", "ms median", "ms min", "ms max", "GFLOP/s", "speedup", "max err");
+  long long last_L = -1;
+  for (const row& r : rows) {
+    if (r.L != last_L && last_L != -1) std::printf("\n");
+    last_L = r.L;
+    char shape[64];
+    std::snprintf(shape, sizeof shape, "%lld,%lld,%lld,%lld", r.B, r.H, r.L, r.d);
+    std::string alg = r.algorithm;
+    if (r.source == "dfss" && r.isa != "-" && r.isa != "automatic") alg += " (" + r.isa + ")";
+    if (!r.ok) {
+      std::printf("%-14s %-7s %-38s %-31s unsupported: %s\n", shape, r.pattern.c_str(), alg.c_str(),
+                  r.kernel.c_str(), r.reason.c_str());
+      continue;
+    }
+    std::printf("%-14s %-7s %-38s %-31s %5d %9s %9s %9s %8s %8s %9s\n", shape, r.pattern.c_str(), alg.c_str(),
+                r.kernel.c_str(), r.iters, fmt_ms(r.ms.median).c_str(), fmt_ms(r.ms.min).c_str(),
+                fmt_ms(r.ms.max).c_str(), fmt(r.gflops, 1).c_str(), fmt(r.speedup, 2, false, "x").c_str(),
+                fmt(r.max_err, 2, true).c_str());
+  }
+}
+
+void write_json(const std::string& path, const std::vector<row>& rows, const sgemm_result& sg,
+                const build_info& info, const std::string& cpu, const std::string& date, const std::string& commit,
+                const std::vector<std::string>& notes) {
+  std::ofstream f(path);
+  if (!f) throw error(status_code::invalid_argument, "dfss bench: argument '--json': cannot write '" + path + "'");
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + jstr(v[i]);
+    return s + "]";
+  };
+  f << "{\n  \"tool\": \"dfss bench\",\n  \"version\": " << jstr(info.version) << ",\n  \"date\": " << jstr(date)
+    << ",\n  \"load_average_end\": " << jstr(load_average())
+    << ",\n  \"commit\": " << jstr(commit) << ",\n  \"command\": " << jstr(repro_command())
+    << ",\n  \"machine\": {\"cpu\": " << jstr(cpu) << ", \"hardware_threads\": " << omp_get_num_procs()
+    << ", \"cpu_features\": " << list(info.cpu_features) << ", \"compiler\": " << jstr(info.compiler)
+    << "},\n  \"config\": {\"threads\": " << g_opt.threads << ", \"dtype\": " << jstr(g_opt.dtype_name)
+    << ", \"warmup\": " << g_opt.warmup << ", \"iters\": " << g_opt.iters << ", \"budget_s\": " << jnum(g_opt.budget_s)
+    << ", \"ref_rows\": " << g_opt.ref_rows << ", \"seed\": " << g_opt.seed
+    << ", \"flops_per_head\": \"4 * Lq * Lk * d\"},\n  \"sgemm\": {\"ok\": " << (sg.ok ? "true" : "false")
+    << ", \"library\": " << jstr(sg.library) << ", \"corename\": " << jstr(sg.corename) << ", \"n\": " << sg.n
+    << ", \"ms_median\": " << jnum(sg.ms.median) << ", \"gflops\": " << jnum(sg.gflops)
+    << ", \"reason\": " << jstr(sg.reason) << "},\n  \"notes\": " << list(notes) << ",\n  \"rows\": [\n";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const row& r = rows[i];
+    f << "    {\"source\": " << jstr(r.source) << ", \"B\": " << r.B << ", \"H\": " << r.H << ", \"L\": " << r.L
+      << ", \"d\": " << r.d << ", \"pattern\": " << jstr(r.pattern) << ", \"algorithm\": " << jstr(r.algorithm)
+      << ", \"isa\": " << jstr(r.isa) << ", \"kernel\": " << jstr(r.kernel) << ", \"ok\": " << (r.ok ? "true" : "false")
+      << ", \"reason\": " << jstr(r.reason) << ", \"iters\": " << r.iters << ", \"ms_median\": " << jnum(r.ms.median)
+      << ", \"ms_min\": " << jnum(r.ms.min) << ", \"ms_max\": " << jnum(r.ms.max) << ", \"gflops\": " << jnum(r.gflops)
+      << ", \"speedup_vs_dense_fused\": " << jnum(r.speedup) << ", \"max_err\": " << jnum(r.max_err) << "}"
+      << (i + 1 < rows.size() ? ",\n" : "\n");
+  }
+  f << "  ]\n}\n";
+}
+
+// ---------------------------------------------------------------------------------------------
+// --memory
+// ---------------------------------------------------------------------------------------------
+
+long max_rss_kib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss;  // KiB on Linux
+}
+
+/// Child side of --memory: one forward call at length --memory-child, then one line on stdout.
+int run_memory_child() {
+  const std::int64_t B = g_opt.batch, H = g_opt.memory_heads, d = g_opt.head_dim, L = g_opt.memory_child;
+  const dtype type = parse_dtype(g_opt.dtype_name);
+  const auto n = static_cast<std::size_t>(B * L * H * d);
+  std::mt19937_64 rng(g_opt.seed);
+  input_tensor q, k, v;
+  q.fill(n, type, rng);
+  k.fill(n, type, rng);
+  v.fill(n, type, rng);
+  std::vector<float> out(n, 0.0f);
+  forward_args a;
+  a.q = q.view(B, L, H, d);
+  a.k = k.view(B, L, H, d);
+  a.v = v.view(B, L, H, d);
+  a.out = make_view(out.data(), {B, L, H, d});
+  attention_config cfg;
+  cfg.pattern = pattern::parse(g_opt.patterns.at(0), "--patterns");
+  cfg.backend = backend::cpu;
+  cfg.num_threads = g_opt.threads;
+  cfg.cpu_algorithm = parse_algorithm(g_opt.algorithms.at(0));
+  cfg.cpu_isa = parse_isa(g_opt.isas.at(0));
+  const long before = max_rss_kib();
+  const std::size_t tensors = q.bytes() + k.bytes() + v.bytes() + out.size() * sizeof(float);
+  const kernel_selection sel = select_kernel(a, cfg);
+  if (!sel.supported()) {
+    std::printf("DFSS_MEMCHILD %ld %ld %zu 0 - unsupported: %s\n", before, before, tensors, sel.reason.c_str());
+    return kExitOk;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const status st = try_attention_forward(a, cfg);
+  const double ms = elapsed_ms(t0);
+  const long peak = max_rss_kib();
+  std::printf("DFSS_MEMCHILD %ld %ld %zu %.1f %s %s\n", before, peak, tensors, ms, sel.name.c_str(),
+              st.ok() ? "ok" : ("unsupported: " + st.message).c_str());
+  return kExitOk;
+}
+
+int run_memory() {
+  const std::string exe = self_exe();
+  if (exe.empty()) {
+    std::fprintf(stderr, "dfss bench --memory: cannot find this executable (/proc/self/exe)\n");
+    return kExitInternal;
+  }
+  std::printf("dfss bench --memory: peak resident memory of one forward call, each row in its own process\n");
+  std::printf("B=%lld H=%lld d=%lld %s, %d threads; MiB = 2^20 bytes; ru_maxrss of the child process\n\n",
+              g_opt.batch, g_opt.memory_heads, g_opt.head_dim, g_opt.dtype_name.c_str(), g_opt.threads);
+  std::printf("%-7s %-7s %-12s %-31s %10s %11s %10s %14s %13s %16s %9s\n", "L", "pattern", "algorithm", "kernel",
+              "Q+K+V+O", "RSS before", "peak RSS", "forward extra", "peak-tensors", "H*L*L fp32", "ms");
+  for (long long L : g_opt.memory_lengths) {
+    for (const auto& pat : g_opt.memory_patterns) {
+      for (const auto& alg : g_opt.algorithms) {
+        if (parse_algorithm(alg) == cpu_algorithm::three_stage && pattern::parse(pat, "--memory-patterns").is_dense())
+          continue;
+        std::ostringstream cmd;
+        cmd << shell_quote(exe) << " bench --memory-child " << L << " --memory-heads " << g_opt.memory_heads
+            << " --batch " << g_opt.batch << " --head-dim " << g_opt.head_dim << " --threads " << g_opt.threads
+            << " --dtype " << g_opt.dtype_name << " --patterns " << shell_quote(pat) << " --algorithms " << alg
+            << " --isa " << g_opt.isas.at(0) << " --seed " << g_opt.seed;
+        const std::string out = capture(cmd.str());
+        const auto pos = out.find("DFSS_MEMCHILD ");
+        if (pos == std::string::npos) {
+          std::printf("%-7lld %-7s %-12s child failed: %s\n", L, pat.c_str(), alg.c_str(), cmd.str().c_str());
+          continue;
+        }
+        std::istringstream in(out.substr(pos + 14));
+        long before = 0, peak = 0;
+        double tensors = 0, ms = 0;
+        std::string kernel, rest;
+        in >> before >> peak >> tensors >> ms >> kernel;
+        std::getline(in, rest);
+        rest = trim(rest);
+        constexpr double kMiB = 1024.0 * 1024.0;
+        const double scores = 4.0 * static_cast<double>(g_opt.batch * g_opt.memory_heads) * static_cast<double>(L) *
+                              static_cast<double>(L) / kMiB;
+        if (rest != "ok") {
+          std::printf("%-7lld %-7s %-12s %-31s %s\n", L, pat.c_str(), alg.c_str(), kernel.c_str(), rest.c_str());
+          continue;
+        }
+        std::printf("%-7lld %-7s %-12s %-31s %10.1f %11.1f %10.1f %14.1f %13.1f %16.1f %9.0f\n", L, pat.c_str(),
+                    alg.c_str(), kernel.c_str(), tensors / kMiB, static_cast<double>(before) / 1024.0,
+                    static_cast<double>(peak) / 1024.0, static_cast<double>(peak - before) / 1024.0,
+                    static_cast<double>(peak) / 1024.0 - tensors / kMiB, scores, ms);
+        std::fflush(stdout);
+      }
+    }
+  }
+  std::printf("\nAll sizes in MiB. forward extra = peak RSS - RSS once the inputs and the output were allocated and\n"
+              "filled: the working memory of the call (thread stacks, scratch). H*L*L fp32 is what one score matrix\n"
+              "per head would take (the quadratic growth that a fused or tiled forward avoids).\n");
+  return kExitOk;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Command
+// ---------------------------------------------------------------------------------------------
+
+void add_bench_command(CLI::App& app) {
+  bench_options& o = g_opt;
+  CLI::App* c = app.add_subcommand(
+      "bench", "Benchmark table: dfss patterns and algorithms vs dense vs PyTorch, sgemm yardstick");
+  c->add_option("--lengths", o.lengths, "sequence lengths (Lq = Lk), comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  c->add_option("--patterns", o.patterns, "N:M patterns (dense = 1:1)")->delimiter(',')->capture_default_str();
+  c->add_option("--algorithms", o.algorithms,
+                "cpu algorithms: fused, three-stage (three-stage rows are made for sparse patterns only)")
+      ->delimiter(',')
+      ->capture_default_str();
+  c->add_option("--isa", o.isas, "fused-kernel ISAs: automatic, generic, avx2 (a list compares them)")
+      ->delimiter(',')
+      ->capture_default_str();
+  c->add_option("--batch", o.batch, "batch size")->capture_default_str();
+  c->add_option("--heads", o.heads, "attention heads")->capture_default_str();
+  c->add_option("--head-dim", o.head_dim, "head dimension")->capture_default_str();
+  c->add_option("--threads", o.threads, "threads for dfss, torch and OpenBLAS (0: all)")->capture_default_str();
+  c->add_option("--dtype", o.dtype_name, "dfss input type: f32, f16, bf16 (torch rows are fp32)")
+      ->capture_default_str();
+  c->add_option("--warmup", o.warmup, "untimed calls per configuration")->capture_default_str();
+  c->add_option("--iters", o.iters, "timed calls per configuration (median reported)")->capture_default_str();
+  c->add_option("--budget", o.budget_s,
+                "soft seconds per configuration: slow configurations get fewer timed calls (at least 3)")
+      ->capture_default_str();
+  c->add_option("--seed", o.seed, "random seed (inputs are standard normal)")->capture_default_str();
+  c->add_option("--ref-rows", o.ref_rows, "query rows per head checked against the fp64 reference")
+      ->capture_default_str();
+  c->add_flag("--no-ref", o.no_ref, "skip the fp64 reference check");
+  c->add_option("--json", o.json, "also write the results as JSON to FILE");
+  c->add_flag("--no-torch", o.no_torch, "skip the PyTorch peers");
+  c->add_flag("--no-torch-tuned", o.no_torch_tuned, "skip the tuned-environment rows of torch 1.x");
+  c->add_option("--python", o.python, "Python interpreters to try for torch (identical torch versions deduplicated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  c->add_option("--torch-script", o.torch_script, "path of tools/bench/torch_attention.py (default: found)");
+  c->add_flag("--no-sgemm", o.no_sgemm, "skip the OpenBLAS sgemm yardstick");
+  c->add_flag("--backward", o.backward, "benchmark the backward pass (not yet)");
+  c->add_flag("--memory", o.memory, "peak resident memory of the fused forward per length (child processes)");
+  c->add_option("--memory-lengths", o.memory_lengths, "lengths for --memory")->delimiter(',')->capture_default_str();
+  c->add_option("--memory-patterns", o.memory_patterns, "patterns for --memory")
+      ->delimiter(',')
+      ->capture_default_str();
+  c->add_option("--memory-heads", o.memory_heads, "heads for --memory")->capture_default_str();
+  c->add_option("--memory-child", o.memory_child, "internal: one forward call for --memory")->group("");
+}
+
+int run_bench() {
+  bench_options& o = g_opt;
+  try {
+    if (o.backward) {
+      std::fprintf(stderr, "dfss bench: --backward: not yet (the cpu backend has no backward kernel yet)\n");
+      return kExitBadInput;
+    }
+    if (o.batch < 1 || o.heads < 1 || o.head_dim < 1 || o.memory_heads < 1 || o.warmup < 1 || o.iters < 1 ||
+        o.threads < 0 || o.ref_rows < 0 || o.lengths.empty() || o.patterns.empty() || o.algorithms.empty() ||
+        o.isas.empty()) {
+      std::fprintf(stderr,
+                   "dfss bench: --batch, --heads, --head-dim, --memory-heads, --warmup and --iters must be >= 1, "
+                   "--threads and --ref-rows >= 0, and the lists non-empty\n");
+      return kExitBadInput;
+    }
+    for (long long L : o.lengths)
+      if (L < 1) {
+        std::fprintf(stderr, "dfss bench: argument '--lengths': expected lengths >= 1, got %lld\n", L);
+        return kExitBadInput;
+      }
+    // Validate the lists up front so that a typo fails before minutes of measuring.
+    const dtype type = parse_dtype(o.dtype_name);
+    for (const auto& p : o.patterns) pattern::parse(p, "--patterns");
+    for (const auto& p : o.memory_patterns) pattern::parse(p, "--memory-patterns");
+    for (const auto& a : o.algorithms) parse_algorithm(a);
+    for (const auto& i : o.isas) parse_isa(i);
+    if (o.threads == 0) o.threads = omp_get_num_procs();
+
+    if (o.memory_child > 0) return run_memory_child();
+    if (o.memory) return run_memory();
+
+    const build_info info = get_build_info();
+    const std::string cpu = cpu_model(), date = now_utc(), commit = git_commit();
+    std::printf("dfss bench: dfss %s, %s; %s%s\n", info.version.c_str(), date.c_str(),
+                commit.empty() ? "commit unknown" : "commit ", commit.c_str());
+    std::printf("machine: %s, %d hardware threads, features: %s; compiler: %s\n", cpu.c_str(), omp_get_num_procs(),
+                join(info.cpu_features, " ").c_str(), info.compiler.c_str());
+    std::printf("run: %d threads, %s inputs (standard normal), warmup %d, median of up to %d calls (budget %gs per "
+                "configuration), non-causal, no masks\n",
+                o.threads, o.dtype_name.c_str(), o.warmup, o.iters, o.budget_s);
+    std::printf("load average at start: %s\n", load_average().c_str());
+    std::printf("repro: %s\n\n", repro_command().c_str());
+    std::fflush(stdout);
+
+    sgemm_result sg;
+    if (!o.no_sgemm) {
+      std::fprintf(stderr, "  sgemm yardstick\n");
+      sg = run_sgemm_yardstick(o.threads);
+    } else {
+      sg.reason = "skipped (--no-sgemm)";
+    }
+
+    std::vector<row> rows;
+    for (long long L : o.lengths) bench_length(L, type, rows);
+    std::vector<std::string> notes;
+    if (!o.no_torch) bench_torch(rows, notes);
+
+    // Speedup against dfss dense fused (the first ISA listed) of the same shape.
+    std::map<long long, double> dense_ms;
+    for (const row& r : rows)
+      if (r.source == "dfss" && r.ok && r.pattern == "dense" && r.algorithm == "fused" && r.isa == o.isas[0])
+        dense_ms.emplace(r.L, r.ms.median);
+    for (row& r : rows) {
+      const auto it = dense_ms.find(r.L);
+      if (r.ok && it != dense_ms.end()) r.speedup = it->second / r.ms.median;
+    }
+    std::stable_sort(rows.begin(), rows.end(), [](const row& x, const row& y) { return x.L < y.L; });
+
+    print_table(rows);
+    std::printf("\n");
+    for (const auto& n : notes) std::printf("%s\n", n.c_str());
+    std::printf("load average at end: %s\n", load_average().c_str());
+    if (sg.ok) {
+      std::printf("sgemm yardstick: %s (%s) cblas_sgemm %d^3, %d threads: %.1f GFLOP/s (median %.1f ms)\n",
+                  sg.library.c_str(), sg.corename.c_str(), sg.n, o.threads, sg.gflops, sg.ms.median);
+      for (const row& r : rows)
+        if (r.source == "dfss" && r.ok && r.pattern == "dense" && r.algorithm == "fused" && r.isa == o.isas[0])
+          std::printf("  L=%lld: dense fused %.1f GFLOP/s = %.2f of sgemm\n", r.L, r.gflops, r.gflops / sg.gflops);
+    } else {
+      std::printf("sgemm yardstick: %s\n", sg.reason.c_str());
+    }
+    std::printf("\nGFLOP/s counts 4*Lq*Lk*d per head for every pattern (dense-equivalent, so it is proportional to\n"
+                "1/time); speedup = dfss dense fused ms / row ms, same shape, same run; max err = max |out - fp64\n"
+                "reference| over the first %lld query rows of every head (torch rows: vs torch float64).\n",
+                static_cast<long long>(o.ref_rows));
+    if (!o.json.empty()) {
+      write_json(o.json, rows, sg, info, cpu, date, commit, notes);
+      std::printf("wrote %s\n", o.json.c_str());
+    }
+    return kExitOk;
+  } catch (const dfss::error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return e.code() == status_code::invalid_argument || e.code() == status_code::unsupported ? kExitBadInput
+                                                                                           : kExitInternal;
+  }
+}
 
 }  // namespace dfss::cli

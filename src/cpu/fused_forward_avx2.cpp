@@ -14,7 +14,7 @@
 //   2. Per row: bias, masks (-inf), the row's running maximum (the maximum of a group
 //      is always kept, so the maximum over all scores is the maximum over the kept ones), then the
 //      N:M selection, which also compacts the kept scores and their key indices: 1:2 and 2:4 by
-//      in-register compares and permutes, any other N:M through dfss::nm_select_group.
+//      in-register compares, blends and in-lane shuffles, any other N:M through nm_select_group.
 //   3. exp2 of the compacted scores only (half the exponentials for 1:2 and 2:4), and
 //      acc += p * V[index] over the kept keys only, with the accumulator row held in registers.
 // Dense (N = M) runs the same code with an identity selection, so the sparsity's own speedup is
@@ -29,6 +29,7 @@
 
 #include <cstdlib>
 #include <new>
+#include <type_traits>
 
 #include "core/element_access.hpp"
 #include "cpu/fused_forward.hpp"
@@ -44,22 +45,6 @@ namespace dfss::cpu {
 
 #if DFSS_HAVE_AVX2_KERNEL
 namespace {
-
-/// For 2:4 compaction: entry k (an 8-bit keep mask of two groups of 4 lanes) lists the kept lanes of
-/// the low group in slots 0-1 and of the high group in slots 2-3; slots 4-7 are unused. Defined
-/// before the AVX2 target region so its static initialiser runs on any x86-64 CPU.
-struct compact_lut_2of4 {
-  alignas(32) std::int32_t perm[256][8];
-  compact_lut_2of4() {
-    for (int k = 0; k < 256; ++k) {
-      int slot = 0;
-      for (int lane = 0; lane < 8; ++lane)
-        if ((k >> lane) & 1) perm[k][slot < 4 ? slot++ : 0] = lane;
-      for (int s = slot; s < 8; ++s) perm[k][s] = 0;
-    }
-  }
-};
-const compact_lut_2of4 kLut24;
 
 /// The generic N:M selection, called out of line so that no AVX2 copy of the shared inline template
 /// is emitted from this file.
@@ -191,6 +176,8 @@ struct aligned_buffer {
 /// Per-thread state: the packed keys and values of one (batch, kv head) and the task scratch.
 struct workspace {
   std::int64_t packed_b = -1, packed_hk = -1;
+  bool kv_risky = false;  ///< the packed K or V holds a non-finite or huge value
+  bool risky = false;     ///< the current task can produce NaN scores (see row_epilogue)
   aligned_buffer<float> kt, vp, q, s, acc, comp_val, row_max, row_sum;
   aligned_buffer<std::int32_t> comp_idx, row_nan;
 };
@@ -214,7 +201,11 @@ class fused_avx2 {
     const int threads = p_.num_threads > 0 ? p_.num_threads : omp_get_max_threads();
 #pragma omp parallel num_threads(threads)
     {
-      workspace ws;
+      // The scratch lives as long as the thread (OpenMP keeps its threads), so repeated calls do not
+      // pay for fresh pages; it is as large as the packed K and V of one head.
+      static thread_local workspace tls;
+      workspace& ws = tls;
+      ws.packed_b = ws.packed_hk = -1;
       ws.kt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
       ws.vp.resize(static_cast<std::size_t>((lk_pad_ + 1) * dp_));
       ws.q.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
@@ -244,23 +235,60 @@ class fused_avx2 {
     float* kt = ws.kt.ptr;
     float* vp = ws.vp.ptr;
     const std::int64_t lk = p_.seqlen_k;
+    // Rows are converted to fp32 once into a contiguous scratch row, then scattered: K transposed
+    // into its 16-key panels (c outer, so the stores are contiguous), V copied row by row.
+    float* row = ws.q.ptr;  // the Q tile scratch is free while packing (dp floats needed)
+    bool risky = false;
     for (std::int64_t blk = 0; blk < lk_pad_ / 16; ++blk) {
       float* panel = kt + blk * dp_ * 16;
       for (int t = 0; t < 16; ++t) {
         const std::int64_t j = blk * 16 + t;
-        for (int c = 0; c < dp_; ++c) {
-          panel[c * 16 + t] = (j < lk && c < d_) ? load_f32<T>(p_.k, core::offset4(p_.k_stride, b, j, hk, c)) : 0.0f;
-        }
+        load_row(p_.k, p_.k_stride, b, j, hk, j < lk, row);
+        risky |= !row_is_tame(row);
+        for (int c = 0; c < dp_; ++c) panel[c * 16 + t] = row[c];
       }
     }
     for (std::int64_t j = 0; j <= lk_pad_; ++j) {
-      float* row = vp + j * dp_;
-      for (int c = 0; c < dp_; ++c) {
-        row[c] = (j < lk && c < d_) ? load_f32<T>(p_.v, core::offset4(p_.v_stride, b, j, hk, c)) : 0.0f;
-      }
+      load_row(p_.v, p_.v_stride, b, j, hk, j < lk, vp + j * dp_);
+      risky |= !row_is_tame(vp + j * dp_);
     }
+    ws.kv_risky = risky;
     ws.packed_b = b;
     ws.packed_hk = hk;
+  }
+
+  /// Whether every value of a packed row is finite and at most 2^50 in magnitude: then no product or
+  /// sum of d <= 512 such values overflows, so scores are finite and NaN-free.
+  bool row_is_tame(const float* row) const {
+    const __m256 lim = _mm256_set1_ps(0x1p50f);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int c = 0; c < dp_; c += 8) {
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(row + c), abs_mask), lim, _CMP_LE_OQ));
+    }
+    return _mm256_movemask_ps(ok) == 0xff;
+  }
+
+  /// Row (b, j, h, :) of a [B, L, H, d] tensor as dp floats (zero padded; all zero when !valid).
+  void load_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h,
+                bool valid, float* out) const {
+    if (!valid) {
+      std::memset(out, 0, sizeof(float) * static_cast<std::size_t>(dp_));
+      return;
+    }
+    const std::int64_t off = core::offset4(st, b, j, h, 0);
+    if constexpr (std::is_same_v<T, float>) {
+      if (st[3] == 1) {
+        const float* src = static_cast<const float*>(base) + off;
+        int c = 0;
+        for (; c + 8 <= d_; c += 8) _mm256_storeu_ps(out + c, _mm256_loadu_ps(src + c));
+        for (; c < d_; ++c) out[c] = src[c];
+        for (; c < dp_; ++c) out[c] = 0.0f;
+        return;
+      }
+    }
+    for (int c = 0; c < d_; ++c) out[c] = load_f32<T>(base, off + c * st[3]);
+    for (int c = d_; c < dp_; ++c) out[c] = 0.0f;
   }
 
   /// Keys visible to query row qi: j < limit (key padding, causal and the sequence end).
@@ -281,10 +309,10 @@ class fused_avx2 {
     pack_head(ws, b, hk);
 
     float* q = ws.q.ptr;
+    ws.risky = ws.kv_risky || p_.bias != nullptr;
     for (int i = 0; i < rows4; ++i) {
-      for (int c = 0; c < dp_; ++c) {
-        q[i * dp_ + c] = (i < rows && c < d_) ? load_f32<T>(p_.q, core::offset4(p_.q_stride, b, i0 + i, h, c)) : 0.0f;
-      }
+      load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
+      ws.risky = ws.risky || !row_is_tame(q + i * dp_);
     }
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
     std::int64_t tile_end = 0;  // keys beyond the last visible key of any row of the task are skipped
@@ -338,15 +366,21 @@ class fused_avx2 {
     }
     for (std::int64_t t = std::max<std::int64_t>(0, lim - j0); t < w_; ++t) s[t] = neg_inf;
 
-    __m256 vmax = _mm256_set1_ps(neg_inf);
-    __m256 vnan = _mm256_setzero_ps();
-    for (int t = 0; t < w_; t += 8) {
-      const __m256 x = _mm256_load_ps(s + t);
-      vmax = _mm256_max_ps(vmax, x);
-      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    // A NaN score can only come from non-finite or huge inputs (flagged while packing) or a bias.
+    if (ws.risky) {
+      __m256 vnan = _mm256_setzero_ps();
+      for (int t = 0; t < w_; t += 8) {
+        const __m256 x = _mm256_load_ps(s + t);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      }
+      if (_mm256_movemask_ps(vnan) != 0) ws.row_nan[static_cast<std::size_t>(i)] = 1;
     }
-    if (_mm256_movemask_ps(vnan) != 0) ws.row_nan[static_cast<std::size_t>(i)] = 1;
-    const float tile_max = hmax(vmax);
+
+    // Selection and compaction; the maximum over the kept scores is the tile's maximum.
+    float* cv = ws.comp_val.ptr;
+    std::int32_t* ci = ws.comp_idx.ptr;
+    float tile_max = neg_inf;
+    const int kept = compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max);
     if (tile_max == neg_inf) return;
     float& mx = ws.row_max[static_cast<std::size_t>(i)];
     float& sum = ws.row_sum[static_cast<std::size_t>(i)];
@@ -359,24 +393,31 @@ class fused_avx2 {
       mx = tile_max;
     }
 
-    float* cv = ws.comp_val.ptr;
-    std::int32_t* ci = ws.comp_idx.ptr;
-    const int kept = compact(s, static_cast<std::int32_t>(j0), cv, ci);
 
-    // exp2 of the kept scores; masked kept slots (-inf) become 0 and point at the zero value row.
+    // exp2 of the kept scores. Only a tile that holds masked keys (a boundary tile, or any tile with
+    // a bias, which may be -inf) can keep a -inf slot: there it becomes 0 and points at the zero row.
+    const bool masked_tile = j0 + w_ > lim || p_.bias != nullptr;
     const __m256 vc = _mm256_set1_ps(c_);
     const __m256 vcm = _mm256_set1_ps(c_ * mx);
-    const __m256i vzero_row = _mm256_set1_epi32(zero_row_);
     __m256 vsum = _mm256_setzero_ps();
-    for (int t = 0; t < kept; t += 8) {
-      const __m256 x = _mm256_load_ps(cv + t);
-      const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(neg_inf), _CMP_EQ_OQ);
-      const __m256 e = exp2_avx2(_mm256_fmsub_ps(x, vc, vcm));
-      _mm256_store_ps(cv + t, e);
-      vsum = _mm256_add_ps(vsum, e);
-      const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t),
-                          _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(idx), _mm256_castsi256_ps(vzero_row), masked)));
+    if (masked_tile) {
+      const __m256i vzero_row = _mm256_set1_epi32(zero_row_);
+      for (int t = 0; t < kept; t += 8) {
+        const __m256 x = _mm256_load_ps(cv + t);
+        const __m256 e = exp2_avx2(_mm256_fmsub_ps(x, vc, vcm));
+        _mm256_store_ps(cv + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+        const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(neg_inf), _CMP_EQ_OQ);
+        const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t),
+                            _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(idx), _mm256_castsi256_ps(vzero_row), masked)));
+      }
+    } else {
+      for (int t = 0; t < kept; t += 8) {
+        const __m256 e = exp2_avx2(_mm256_fmsub_ps(_mm256_load_ps(cv + t), vc, vcm));
+        _mm256_store_ps(cv + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
     }
     sum += hsum(vsum);
 
@@ -388,9 +429,12 @@ class fused_avx2 {
         __m256 a0 = _mm256_load_ps(acc + c0), a1 = _mm256_load_ps(acc + c0 + 8), a2 = _mm256_load_ps(acc + c0 + 16),
                a3 = _mm256_load_ps(acc + c0 + 24), a4 = _mm256_load_ps(acc + c0 + 32), a5 = _mm256_load_ps(acc + c0 + 40),
                a6 = _mm256_load_ps(acc + c0 + 48), a7 = _mm256_load_ps(acc + c0 + 56);
-        for (int t = 0; t < kept; ++t) {
-          const __m256 pj = _mm256_broadcast_ss(cv + t);
+        // kept is a multiple of 8, so two keys per iteration need no tail.
+        for (int t = 0; t < kept; t += 2) {
           const float* v = vp + static_cast<std::int64_t>(ci[t]) * dp_ + c0;
+          const float* u = vp + static_cast<std::int64_t>(ci[t + 1]) * dp_ + c0;
+          const __m256 pj = _mm256_broadcast_ss(cv + t);
+          const __m256 pu = _mm256_broadcast_ss(cv + t + 1);
           a0 = _mm256_fmadd_ps(pj, _mm256_load_ps(v), a0);
           a1 = _mm256_fmadd_ps(pj, _mm256_load_ps(v + 8), a1);
           a2 = _mm256_fmadd_ps(pj, _mm256_load_ps(v + 16), a2);
@@ -399,6 +443,14 @@ class fused_avx2 {
           a5 = _mm256_fmadd_ps(pj, _mm256_load_ps(v + 40), a5);
           a6 = _mm256_fmadd_ps(pj, _mm256_load_ps(v + 48), a6);
           a7 = _mm256_fmadd_ps(pj, _mm256_load_ps(v + 56), a7);
+          a0 = _mm256_fmadd_ps(pu, _mm256_load_ps(u), a0);
+          a1 = _mm256_fmadd_ps(pu, _mm256_load_ps(u + 8), a1);
+          a2 = _mm256_fmadd_ps(pu, _mm256_load_ps(u + 16), a2);
+          a3 = _mm256_fmadd_ps(pu, _mm256_load_ps(u + 24), a3);
+          a4 = _mm256_fmadd_ps(pu, _mm256_load_ps(u + 32), a4);
+          a5 = _mm256_fmadd_ps(pu, _mm256_load_ps(u + 40), a5);
+          a6 = _mm256_fmadd_ps(pu, _mm256_load_ps(u + 48), a6);
+          a7 = _mm256_fmadd_ps(pu, _mm256_load_ps(u + 56), a7);
         }
         _mm256_store_ps(acc + c0, a0);
         _mm256_store_ps(acc + c0 + 8, a1);
@@ -421,13 +473,17 @@ class fused_avx2 {
   }
 
   /// Selects N of every M keys of the tile row @p s and writes the kept scores and key indices to
-  /// @p cv / @p ci (padded with -inf / the zero row to a multiple of 8). Returns the padded count.
-  int compact(const float* s, std::int32_t j0, float* cv, std::int32_t* ci) const {
+  /// @p cv / @p ci (padded with -inf / the zero row to a multiple of 8); @p max_out receives the
+  /// largest kept score (NaN-free rows only; NaN rows are flagged separately). Returns the count.
+  int compact(const float* s, std::int32_t j0, float* cv, std::int32_t* ci, float& max_out) const {
     const int n = p_.pattern_n, m = p_.pattern_m;
     int kept = 0;
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     if (n == m) {
       for (int t = 0; t < w_; t += 8) {
-        _mm256_store_ps(cv + t, _mm256_load_ps(s + t));
+        const __m256 x = _mm256_load_ps(s + t);
+        vmax = _mm256_max_ps(vmax, x);
+        _mm256_store_ps(cv + t, x);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t),
                             _mm256_add_epi32(_mm256_set1_epi32(j0 + t), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
       }
@@ -441,7 +497,9 @@ class fused_avx2 {
         const __m256 asw = _mm256_permute_ps(a, 0xB1), bsw = _mm256_permute_ps(b, 0xB1);
         const __m256 va = _mm256_max_ps(a, asw), vb = _mm256_max_ps(b, bsw);
         const __m256 ka = _mm256_cmp_ps(a, asw, _CMP_GE_OQ), kb = _mm256_cmp_ps(b, bsw, _CMP_GE_OQ);
-        _mm256_store_ps(cv + kept, _mm256_shuffle_ps(va, vb, 0x88));
+        const __m256 v = _mm256_shuffle_ps(va, vb, 0x88);
+        vmax = _mm256_max_ps(vmax, v);
+        _mm256_store_ps(cv + kept, v);
         const __m256i keep_even = _mm256_castps_si256(_mm256_shuffle_ps(ka, kb, 0x88));
         // index = pair start + 1 - [even kept] (keep_even is -1 where the even key is kept).
         const __m256i idx = _mm256_add_epi32(_mm256_add_epi32(pair_base, _mm256_set1_epi32(j0 + t + 1)), keep_even);
@@ -449,31 +507,33 @@ class fused_avx2 {
         kept += 8;
       }
     } else if (n == 2 && m == 4) {
-      // Rank counting inside each 128-bit lane (one group of 4): for the rotation by r, lane p compares
-      // with q = (p + r) mod 4, which ranks above p if s_q > s_p, or s_q == s_p and q < p. A lane is
-      // kept iff fewer than two rank above it.
-      const __m256 ge1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, -1, 0, 0, 0, -1));
-      const __m256 ge2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, -1, -1, 0, 0, -1, -1));
-      const __m256 ge3 = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, -1, -1, 0, -1, -1, -1));
-      __m256i sel[2];
-      __m256 val[2];
+      // Per group of 4 = pairs P0 (keys 0, 1) and P1 (keys 2, 3): each pair's winner hi and loser lo
+      // (ties to the lower index) as for 1:2. The two kept keys are {hi0, hi1}, except {hi0, lo0}
+      // when lo0 ranks above hi1 (lo0 >= hi1: lo0 has the lower index) and {hi1, lo1} when lo1 ranks
+      // above hi0 (lo1 > hi0 strictly). So lane 0 keeps (lo0 above hi1 ? lo0 : hi1) and lane 2 keeps
+      // (lo1 above hi0 ? lo1 : hi0): two blends, then the even lanes compact as for 1:2.
+      const __m256i lane_base = _mm256_setr_epi32(0, 0, 2, 0, 4, 0, 6, 0);
+      __m256 val[2], idx[2];
       for (int t = 0; t < w_; t += 16) {
         for (int half = 0; half < 2; ++half) {
           const __m256 x = _mm256_load_ps(s + t + 8 * half);
-          const __m256 r1 = _mm256_permute_ps(x, 0x39), r2 = _mm256_permute_ps(x, 0x4E), r3 = _mm256_permute_ps(x, 0x93);
-          const __m256 a1 = _mm256_blendv_ps(_mm256_cmp_ps(r1, x, _CMP_GT_OQ), _mm256_cmp_ps(r1, x, _CMP_GE_OQ), ge1);
-          const __m256 a2 = _mm256_blendv_ps(_mm256_cmp_ps(r2, x, _CMP_GT_OQ), _mm256_cmp_ps(r2, x, _CMP_GE_OQ), ge2);
-          const __m256 a3 = _mm256_blendv_ps(_mm256_cmp_ps(r3, x, _CMP_GT_OQ), _mm256_cmp_ps(r3, x, _CMP_GE_OQ), ge3);
-          const __m256i above = _mm256_add_epi32(_mm256_add_epi32(_mm256_castps_si256(a1), _mm256_castps_si256(a2)),
-                                                 _mm256_castps_si256(a3));
-          const __m256i keep = _mm256_cmpgt_epi32(above, _mm256_set1_epi32(-2));
-          const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(keep));
-          sel[half] = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLut24.perm[mask]));
-          val[half] = _mm256_permutevar8x32_ps(x, sel[half]);
+          const __m256 sw = _mm256_permute_ps(x, 0xB1);
+          const __m256i even_wins = _mm256_castps_si256(_mm256_cmp_ps(x, sw, _CMP_GE_OQ));
+          const __m256 hi = _mm256_max_ps(x, sw), lo = _mm256_min_ps(x, sw);
+          const __m256 hi_other = _mm256_permute_ps(hi, 0x4E);
+          const __m256 lo_wins = _mm256_blend_ps(_mm256_cmp_ps(lo, hi_other, _CMP_GE_OQ),
+                                                 _mm256_cmp_ps(lo, hi_other, _CMP_GT_OQ), 0xCC);
+          val[half] = _mm256_blendv_ps(hi_other, lo, lo_wins);
+          const __m256i base = _mm256_add_epi32(lane_base, _mm256_set1_epi32(j0 + t + 8 * half));
+          const __m256i hi_idx = _mm256_add_epi32(_mm256_add_epi32(base, _mm256_set1_epi32(1)), even_wins);
+          const __m256i lo_idx = _mm256_sub_epi32(base, even_wins);
+          const __m256 hi_idx_other = _mm256_permute_ps(_mm256_castsi256_ps(hi_idx), 0x4E);
+          idx[half] = _mm256_blendv_ps(hi_idx_other, _mm256_castsi256_ps(lo_idx), lo_wins);
         }
-        _mm256_store_ps(cv + kept, _mm256_permute2f128_ps(val[0], val[1], 0x20));
-        const __m256i idx = _mm256_permute2x128_si256(sel[0], _mm256_add_epi32(sel[1], _mm256_set1_epi32(8)), 0x20);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + kept), _mm256_add_epi32(idx, _mm256_set1_epi32(j0 + t)));
+        const __m256 v = _mm256_shuffle_ps(val[0], val[1], 0x88);
+        vmax = _mm256_max_ps(vmax, v);
+        _mm256_store_ps(cv + kept, v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + kept), _mm256_castps_si256(_mm256_shuffle_ps(idx[0], idx[1], 0x88)));
         kept += 8;
       }
     } else {
@@ -491,7 +551,9 @@ class fused_avx2 {
         cv[kept] = -std::numeric_limits<float>::infinity();
         ci[kept] = zero_row_;
       }
+      for (int t = 0; t < kept; t += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(cv + t));
     }
+    max_out = hmax(vmax);
     return kept;
   }
 

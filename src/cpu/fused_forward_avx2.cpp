@@ -287,8 +287,21 @@ class fused_avx2 {
         return;
       }
     }
-    for (int c = 0; c < d_; ++c) out[c] = load_f32<T>(base, off + c * st[3]);
-    for (int c = d_; c < dp_; ++c) out[c] = 0.0f;
+    int c = 0;
+    if (st[3] == 1) {
+      // 16-bit rows: f16 through F16C, bf16 by widening to 32 bits and shifting into the high half.
+      const auto* src = static_cast<const std::uint16_t*>(base) + off;
+      for (; c + 8 <= d_; c += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c));
+        if constexpr (std::is_same_v<T, half>) {
+          _mm256_storeu_ps(out + c, _mm256_cvtph_ps(h));
+        } else {
+          _mm256_storeu_ps(out + c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+      }
+    }
+    for (; c < d_; ++c) out[c] = load_f32<T>(base, off + c * st[3]);
+    for (; c < dp_; ++c) out[c] = 0.0f;
   }
 
   /// Keys visible to query row qi: j < limit (key padding, causal and the sequence end).

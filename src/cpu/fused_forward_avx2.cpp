@@ -292,11 +292,11 @@ class fused_avx2 {
       // 16-bit rows: f16 through F16C, bf16 by widening to 32 bits and shifting into the high half.
       const auto* src = static_cast<const std::uint16_t*>(base) + off;
       for (; c + 8 <= d_; c += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c));
         if constexpr (std::is_same_v<T, half>) {
-          _mm256_storeu_ps(out + c, _mm256_cvtph_ps(h));
+          _mm256_storeu_ps(out + c, _mm256_cvtph_ps(raw));
         } else {
-          _mm256_storeu_ps(out + c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+          _mm256_storeu_ps(out + c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
         }
       }
     }

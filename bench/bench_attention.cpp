@@ -7,8 +7,8 @@
 //   three_stage/<pattern>/L      the three-stage forward (1:2, 2:4)
 // Counters: GFLOP, a rate (shown as GFLOP=x/s), counts 4 * Lq * Lk * d per head for every pattern
 // (dense-equivalent, so it is proportional to 1 / time); items_per_second are query rows per
-// second. Times are wall clock (UseRealTime), since the kernels run on an OpenMP team. An unsupported configuration (e.g. avx2
-// on a CPU without it) is reported with SkipWithError and its reason.
+// second. Times are wall clock (UseRealTime), since the kernels run on an OpenMP team. An unsupported
+// configuration (e.g. avx2 on a CPU without it) is reported with SkipWithError and its reason.
 //
 // Threads: DFSS_BENCH_THREADS (default 0 = all hardware threads), e.g.
 //   DFSS_BENCH_THREADS=2 build/bench/dfss_microbench --benchmark_filter='fused/avx2'
@@ -78,8 +78,8 @@ void run_forward(benchmark::State& state, dfss::attention_config cfg) {
     benchmark::DoNotOptimize(in.out.data());
     benchmark::ClobberMemory();
   }
-  const double flops = 4.0 * static_cast<double>(kBatch * kHeads * kHeadDim) * static_cast<double>(L) *
-                       static_cast<double>(L);
+  const double flops =
+      4.0 * static_cast<double>(kBatch * kHeads * kHeadDim) * static_cast<double>(L) * static_cast<double>(L);
   state.counters["GFLOP"] =
       benchmark::Counter(flops * 1e-9 * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   state.SetItemsProcessed(state.iterations() * kBatch * kHeads * L);

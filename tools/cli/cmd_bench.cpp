@@ -18,12 +18,12 @@
 // `dfss bench --memory` runs one forward call per row in a child process (this binary re-executed
 // with the hidden --memory-child option) and reports ru_maxrss, so that the memory growth with L of
 // the fused forward (linear: no L x L buffer) is visible next to what a score matrix would need.
-#include <CLI/CLI.hpp>
 #include <dlfcn.h>
 #include <omp.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -293,11 +293,21 @@ class json_reader {
       if (i_ >= s_.size()) fail();
       const char e = s_[i_++];
       switch (e) {
-        case 'n': out += '\n'; break;
-        case 't': out += '\t'; break;
-        case 'r': out += '\r'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
+        case 'n':
+          out += '\n';
+          break;
+        case 't':
+          out += '\t';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
         case 'u': {
           if (i_ + 4 > s_.size()) fail();
           const unsigned long cp = std::strtoul(s_.substr(i_, 4).c_str(), nullptr, 16);
@@ -305,7 +315,8 @@ class json_reader {
           out += cp < 0x80 ? static_cast<char>(cp) : '?';  // only ASCII matters here
           break;
         }
-        default: out += e;
+        default:
+          out += e;
       }
     }
   }
@@ -391,10 +402,18 @@ std::string jstr(const std::string& s) {
   std::string out = "\"";
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           char buf[8];
@@ -420,7 +439,7 @@ std::string jnum(double x) {
 // ---------------------------------------------------------------------------------------------
 
 struct row {
-  std::string source;     // "dfss" or "torch"
+  std::string source;  // "dfss" or "torch"
   long long B = 0, H = 0, L = 0, d = 0;
   std::string pattern;    // "dense", "1:2", ...
   std::string algorithm;  // "fused", "three-stage", or the torch label
@@ -467,16 +486,22 @@ struct input_tensor {
   /// The stored (rounded) value of element i, exactly.
   double at(std::size_t i) const {
     switch (type) {
-      case dtype::f16: return static_cast<double>(f16_to_float(f16[i].bits));
-      case dtype::bf16: return static_cast<double>(bf16_to_float(b16[i].bits));
-      default: return static_cast<double>(f32[i]);
+      case dtype::f16:
+        return static_cast<double>(f16_to_float(f16[i].bits));
+      case dtype::bf16:
+        return static_cast<double>(bf16_to_float(b16[i].bits));
+      default:
+        return static_cast<double>(f32[i]);
     }
   }
   tensor_view view(std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t d) {
     switch (type) {
-      case dtype::f16: return make_view(f16.data(), {B, L, H, d});
-      case dtype::bf16: return make_view(b16.data(), {B, L, H, d});
-      default: return make_view(f32.data(), {B, L, H, d});
+      case dtype::f16:
+        return make_view(f16.data(), {B, L, H, d});
+      case dtype::bf16:
+        return make_view(b16.data(), {B, L, H, d});
+      default:
+        return make_view(f32.data(), {B, L, H, d});
     }
   }
   std::size_t bytes() const { return f32.size() * 4 + f16.size() * 2 + b16.size() * 2; }
@@ -509,16 +534,41 @@ cpu_isa parse_isa(const std::string& s) {
 // The OpenBLAS sgemm yardstick (dlopen: no build-time dependency)
 // ---------------------------------------------------------------------------------------------
 
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
+                          float*, int);
+
+/// The yardstick: cblas_sgemm n^3. Its calls are timed inside the round-robin of every length
+/// (time_one), so its samples see the same machine load as the attention rows; the median of all
+/// samples is reported.
 struct sgemm_result {
   bool ok = false;
   std::string library, corename, reason;
   int n = 2048;
+  sgemm_fn sgemm = nullptr;
+  std::vector<float> a, b, c;
+  std::vector<double> samples;
   stats ms;
   double gflops = kNaN;
+
+  void call() {
+    constexpr int kRowMajor = 101, kNoTrans = 111;
+    sgemm(kRowMajor, kNoTrans, kNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+  }
+  void time_one() {
+    if (!ok) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    samples.push_back(elapsed_ms(t0));
+  }
+  void finish() {
+    if (!ok) return;
+    ms = summarize(samples);
+    gflops = 2.0 * n * static_cast<double>(n) * n / (ms.median * 1e6);
+  }
 };
 
-sgemm_result run_sgemm_yardstick(int threads) {
-  sgemm_result r;
+/// Loads OpenBLAS with dlopen (no build-time dependency), fills the operands and warms up.
+void setup_sgemm_yardstick(sgemm_result& r, int threads) {
   // OpenBLAS reads OPENBLAS_NUM_THREADS when it is loaded; set it before dlopen (and call
   // openblas_set_num_threads as well, in case the library was already loaded).
   const std::string t = std::to_string(threads);
@@ -533,10 +583,8 @@ sgemm_result run_sgemm_yardstick(int threads) {
   }
   if (!lib) {
     r.reason = "OpenBLAS not found (Debian: apt-get install libopenblas-dev)";
-    return r;
+    return;
   }
-  using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
-                            float, float*, int);
   using set_threads_fn = void (*)(int);
   using corename_fn = char* (*)();
   auto sym = [&](const char* name, auto& fn) {
@@ -544,40 +592,25 @@ sgemm_result run_sgemm_yardstick(int threads) {
     std::memcpy(&fn, &p, sizeof fn);
     return p != nullptr;
   };
-  sgemm_fn sgemm = nullptr;
   set_threads_fn set_threads = nullptr;
   corename_fn corename = nullptr;
-  if (!sym("cblas_sgemm", sgemm)) {
+  if (!sym("cblas_sgemm", r.sgemm)) {
     r.reason = "cblas_sgemm not found in " + r.library;
-    return r;
+    return;
   }
   if (sym("openblas_set_num_threads", set_threads)) set_threads(threads);
   if (sym("openblas_get_corename", corename)) r.corename = corename();
 
-  const int n = r.n;
-  const auto nn = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
-  std::vector<float> a(nn), b(nn), c(nn);
+  const auto nn = static_cast<std::size_t>(r.n) * static_cast<std::size_t>(r.n);
+  r.a.resize(nn);
+  r.b.resize(nn);
+  r.c.assign(nn, 0.0f);
   std::mt19937_64 rng(g_opt.seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (auto& x : a) x = normal(rng);
-  for (auto& x : b) x = normal(rng);
-  constexpr int kRowMajor = 101, kNoTrans = 111;
-  auto call = [&] { sgemm(kRowMajor, kNoTrans, kNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n); };
-  auto t0 = std::chrono::steady_clock::now();
-  call();
-  const double first = elapsed_ms(t0);
-  for (int i = 1; i < g_opt.warmup; ++i) call();
-  std::vector<double> ms;
-  const int iters = timed_iterations(first);
-  for (int i = 0; i < iters; ++i) {
-    t0 = std::chrono::steady_clock::now();
-    call();
-    ms.push_back(elapsed_ms(t0));
-  }
-  r.ms = summarize(ms);
-  r.gflops = 2.0 * n * static_cast<double>(n) * n / (r.ms.median * 1e6);
+  for (auto& x : r.a) x = normal(rng);
+  for (auto& x : r.b) x = normal(rng);
+  for (int i = 0; i < g_opt.warmup; ++i) r.call();
   r.ok = true;
-  return r;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -592,7 +625,7 @@ struct run_state {
   int target = 0;
 };
 
-void bench_length(long long L, dtype type, std::vector<row>& rows) {
+void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result& sg) {
   const std::int64_t B = g_opt.batch, H = g_opt.heads, d = g_opt.head_dim;
   const auto n = static_cast<std::size_t>(B * L * H * d);
   std::mt19937_64 rng(g_opt.seed + static_cast<unsigned long long>(L));
@@ -658,8 +691,9 @@ void bench_length(long long L, dtype type, std::vector<row>& rows) {
     s->target = timed_iterations(first);
     s->r.ok = true;
   }
-  // Timed calls, round-robin over the configurations.
+  // Timed calls, round-robin over the configurations (and one sgemm yardstick call per round).
   for (int it = 0;; ++it) {
+    if (it < g_opt.iters) sg.time_one();
     bool any = false;
     for (auto& s : runs) {
       if (!s->r.ok || it >= s->target) continue;
@@ -738,7 +772,7 @@ std::string find_torch_script() {
   const std::string exe = self_exe();
   if (!exe.empty()) {
     const std::string dir = exe.substr(0, exe.rfind('/'));
-    candidates.push_back(dir + "/../../tools/bench/torch_attention.py");  // build/tools/dfss
+    candidates.push_back(dir + "/../../tools/bench/torch_attention.py");    // build/tools/dfss
     candidates.push_back(dir + "/../share/dfss/bench/torch_attention.py");  // an install
   }
   candidates.push_back(std::string(DFSS_BENCH_SCRIPT_DIR) + "/torch_attention.py");
@@ -809,11 +843,11 @@ void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
     for (bool tuned : {false, true}) {
       if (tuned && (!old || g_opt.no_torch_tuned)) continue;
       std::ostringstream cmd;
-      cmd << torch_env(tuned) << shell_quote(peer.python) << " " << shell_quote(script)
-          << " --lengths " << join(g_opt.lengths) << " --batch " << g_opt.batch << " --heads " << g_opt.heads
-          << " --head-dim " << g_opt.head_dim << " --threads " << g_opt.threads << " --warmup " << g_opt.warmup
-          << " --iters " << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed
-          << " --ref-rows " << g_opt.ref_rows;
+      cmd << torch_env(tuned) << shell_quote(peer.python) << " " << shell_quote(script) << " --lengths "
+          << join(g_opt.lengths) << " --batch " << g_opt.batch << " --heads " << g_opt.heads << " --head-dim "
+          << g_opt.head_dim << " --threads " << g_opt.threads << " --warmup " << g_opt.warmup << " --iters "
+          << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
+          << g_opt.ref_rows;
       std::fprintf(stderr, "  torch %s%s (%s)\n", peer.version.c_str(), tuned ? ", tuned" : "",
                    peer.python.c_str());
       int rc = 0;
@@ -860,10 +894,11 @@ void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
 std::string repro_command() {
   std::ostringstream c;
   c << "dfss bench --lengths " << join(g_opt.lengths) << " --patterns " << join(g_opt.patterns)
-    << " --algorithms " << join(g_opt.algorithms) << " --isa " << join(g_opt.isas) << " --batch " << g_opt.batch
-    << " --heads " << g_opt.heads << " --head-dim " << g_opt.head_dim << " --threads " << g_opt.threads
-    << " --dtype " << g_opt.dtype_name << " --warmup " << g_opt.warmup << " --iters " << g_opt.iters
-    << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows " << g_opt.ref_rows;
+    << " --algorithms " << join(g_opt.algorithms) << " --isa " << join(g_opt.isas) << " --batch "
+    << g_opt.batch << " --heads " << g_opt.heads << " --head-dim " << g_opt.head_dim << " --threads "
+    << g_opt.threads << " --dtype " << g_opt.dtype_name << " --warmup " << g_opt.warmup << " --iters "
+    << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
+    << g_opt.ref_rows;
   if (g_opt.no_torch) c << " --no-torch";
   if (!g_opt.no_torch) c << " --python " << join(g_opt.python);
   if (g_opt.no_torch_tuned) c << " --no-torch-tuned";
@@ -885,11 +920,12 @@ std::string fmt(double x, int digits, bool sci = false, const char* suffix = "")
   return buf;
 }
 
-std::string fmt_ms(double x) { return fmt(x, x < 100.0 ? 2 : 1); }
+std::string fmt_ms(double x) { return fmt(x, x < 1.0 ? 3 : x < 100.0 ? 2 : 1); }
 
 void print_table(const std::vector<row>& rows) {
-  std::printf("%-14s %-7s %-38s %-31s %5s %9s %9s %9s %8s %8s %9s\n", "B,H,L,d", "pattern", "algorithm / peer",
-              "kernel", "iters", "ms median", "ms min", "ms max", "GFLOP/s", "speedup", "max err");
+  std::printf("%-14s %-7s %-38s %-31s %5s %9s %9s %9s %8s %8s %9s\n", "B,H,L,d", "pattern",
+              "algorithm / peer", "kernel", "iters", "ms median", "ms min", "ms max", "GFLOP/s", "speedup",
+              "max err");
   long long last_L = -1;
   for (const row& r : rows) {
     if (r.L != last_L && last_L != -1) std::printf("\n");
@@ -911,34 +947,40 @@ void print_table(const std::vector<row>& rows) {
 }
 
 void write_json(const std::string& path, const std::vector<row>& rows, const sgemm_result& sg,
-                const build_info& info, const std::string& cpu, const std::string& date, const std::string& commit,
-                const std::vector<std::string>& notes) {
+                const build_info& info, const std::string& cpu, const std::string& date,
+                const std::string& commit, const std::vector<std::string>& notes) {
   std::ofstream f(path);
-  if (!f) throw error(status_code::invalid_argument, "dfss bench: argument '--json': cannot write '" + path + "'");
+  if (!f)
+    throw error(status_code::invalid_argument, "dfss bench: argument '--json': cannot write '" + path + "'");
   auto list = [](const std::vector<std::string>& v) {
     std::string s = "[";
     for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + jstr(v[i]);
     return s + "]";
   };
-  f << "{\n  \"tool\": \"dfss bench\",\n  \"version\": " << jstr(info.version) << ",\n  \"date\": " << jstr(date)
-    << ",\n  \"load_average_end\": " << jstr(load_average())
+  f << "{\n  \"tool\": \"dfss bench\",\n  \"version\": " << jstr(info.version)
+    << ",\n  \"date\": " << jstr(date) << ",\n  \"load_average_end\": " << jstr(load_average())
     << ",\n  \"commit\": " << jstr(commit) << ",\n  \"command\": " << jstr(repro_command())
     << ",\n  \"machine\": {\"cpu\": " << jstr(cpu) << ", \"hardware_threads\": " << omp_get_num_procs()
     << ", \"cpu_features\": " << list(info.cpu_features) << ", \"compiler\": " << jstr(info.compiler)
     << "},\n  \"config\": {\"threads\": " << g_opt.threads << ", \"dtype\": " << jstr(g_opt.dtype_name)
-    << ", \"warmup\": " << g_opt.warmup << ", \"iters\": " << g_opt.iters << ", \"budget_s\": " << jnum(g_opt.budget_s)
-    << ", \"ref_rows\": " << g_opt.ref_rows << ", \"seed\": " << g_opt.seed
+    << ", \"warmup\": " << g_opt.warmup << ", \"iters\": " << g_opt.iters
+    << ", \"budget_s\": " << jnum(g_opt.budget_s) << ", \"ref_rows\": " << g_opt.ref_rows
+    << ", \"seed\": " << g_opt.seed
     << ", \"flops_per_head\": \"4 * Lq * Lk * d\"},\n  \"sgemm\": {\"ok\": " << (sg.ok ? "true" : "false")
     << ", \"library\": " << jstr(sg.library) << ", \"corename\": " << jstr(sg.corename) << ", \"n\": " << sg.n
-    << ", \"ms_median\": " << jnum(sg.ms.median) << ", \"gflops\": " << jnum(sg.gflops)
-    << ", \"reason\": " << jstr(sg.reason) << "},\n  \"notes\": " << list(notes) << ",\n  \"rows\": [\n";
+    << ", \"ms_median\": " << jnum(sg.ms.median) << ", \"ms_min\": " << jnum(sg.ms.min)
+    << ", \"ms_max\": " << jnum(sg.ms.max) << ", \"calls\": " << sg.samples.size()
+    << ", \"gflops\": " << jnum(sg.gflops) << ", \"reason\": " << jstr(sg.reason)
+    << "},\n  \"notes\": " << list(notes) << ",\n  \"rows\": [\n";
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const row& r = rows[i];
-    f << "    {\"source\": " << jstr(r.source) << ", \"B\": " << r.B << ", \"H\": " << r.H << ", \"L\": " << r.L
-      << ", \"d\": " << r.d << ", \"pattern\": " << jstr(r.pattern) << ", \"algorithm\": " << jstr(r.algorithm)
-      << ", \"isa\": " << jstr(r.isa) << ", \"kernel\": " << jstr(r.kernel) << ", \"ok\": " << (r.ok ? "true" : "false")
-      << ", \"reason\": " << jstr(r.reason) << ", \"iters\": " << r.iters << ", \"ms_median\": " << jnum(r.ms.median)
-      << ", \"ms_min\": " << jnum(r.ms.min) << ", \"ms_max\": " << jnum(r.ms.max) << ", \"gflops\": " << jnum(r.gflops)
+    f << "    {\"source\": " << jstr(r.source) << ", \"B\": " << r.B << ", \"H\": " << r.H
+      << ", \"L\": " << r.L << ", \"d\": " << r.d << ", \"pattern\": " << jstr(r.pattern)
+      << ", \"algorithm\": " << jstr(r.algorithm) << ", \"isa\": " << jstr(r.isa)
+      << ", \"kernel\": " << jstr(r.kernel) << ", \"ok\": " << (r.ok ? "true" : "false")
+      << ", \"reason\": " << jstr(r.reason) << ", \"iters\": " << r.iters
+      << ", \"ms_median\": " << jnum(r.ms.median) << ", \"ms_min\": " << jnum(r.ms.min)
+      << ", \"ms_max\": " << jnum(r.ms.max) << ", \"gflops\": " << jnum(r.gflops)
       << ", \"speedup_vs_dense_fused\": " << jnum(r.speedup) << ", \"max_err\": " << jnum(r.max_err) << "}"
       << (i + 1 < rows.size() ? ",\n" : "\n");
   }
@@ -981,7 +1023,8 @@ int run_memory_child() {
   const std::size_t tensors = q.bytes() + k.bytes() + v.bytes() + out.size() * sizeof(float);
   const kernel_selection sel = select_kernel(a, cfg);
   if (!sel.supported()) {
-    std::printf("DFSS_MEMCHILD %ld %ld %zu 0 - unsupported: %s\n", before, before, tensors, sel.reason.c_str());
+    std::printf("DFSS_MEMCHILD %ld %ld %zu 0 - unsupported: %s\n", before, before, tensors,
+                sel.reason.c_str());
     return kExitOk;
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -1002,18 +1045,20 @@ int run_memory() {
   std::printf("dfss bench --memory: peak resident memory of one forward call, each row in its own process\n");
   std::printf("B=%lld H=%lld d=%lld %s, %d threads; MiB = 2^20 bytes; ru_maxrss of the child process\n\n",
               g_opt.batch, g_opt.memory_heads, g_opt.head_dim, g_opt.dtype_name.c_str(), g_opt.threads);
-  std::printf("%-7s %-7s %-12s %-31s %10s %11s %10s %14s %13s %16s %9s\n", "L", "pattern", "algorithm", "kernel",
-              "Q+K+V+O", "RSS before", "peak RSS", "forward extra", "peak-tensors", "H*L*L fp32", "ms");
+  std::printf("%-7s %-7s %-12s %-31s %10s %11s %10s %14s %13s %16s %9s\n", "L", "pattern", "algorithm",
+              "kernel", "Q+K+V+O", "RSS before", "peak RSS", "forward extra", "peak-tensors", "H*L*L fp32",
+              "ms");
   for (long long L : g_opt.memory_lengths) {
     for (const auto& pat : g_opt.memory_patterns) {
       for (const auto& alg : g_opt.algorithms) {
-        if (parse_algorithm(alg) == cpu_algorithm::three_stage && pattern::parse(pat, "--memory-patterns").is_dense())
+        if (parse_algorithm(alg) == cpu_algorithm::three_stage &&
+            pattern::parse(pat, "--memory-patterns").is_dense())
           continue;
         std::ostringstream cmd;
         cmd << shell_quote(exe) << " bench --memory-child " << L << " --memory-heads " << g_opt.memory_heads
-            << " --batch " << g_opt.batch << " --head-dim " << g_opt.head_dim << " --threads " << g_opt.threads
-            << " --dtype " << g_opt.dtype_name << " --patterns " << shell_quote(pat) << " --algorithms " << alg
-            << " --isa " << g_opt.isas.at(0) << " --seed " << g_opt.seed;
+            << " --batch " << g_opt.batch << " --head-dim " << g_opt.head_dim << " --threads "
+            << g_opt.threads << " --dtype " << g_opt.dtype_name << " --patterns " << shell_quote(pat)
+            << " --algorithms " << alg << " --isa " << g_opt.isas.at(0) << " --seed " << g_opt.seed;
         const std::string out = capture(cmd.str());
         const auto pos = out.find("DFSS_MEMCHILD ");
         if (pos == std::string::npos) {
@@ -1028,23 +1073,26 @@ int run_memory() {
         std::getline(in, rest);
         rest = trim(rest);
         constexpr double kMiB = 1024.0 * 1024.0;
-        const double scores = 4.0 * static_cast<double>(g_opt.batch * g_opt.memory_heads) * static_cast<double>(L) *
-                              static_cast<double>(L) / kMiB;
+        const double scores = 4.0 * static_cast<double>(g_opt.batch * g_opt.memory_heads) *
+                              static_cast<double>(L) * static_cast<double>(L) / kMiB;
         if (rest != "ok") {
-          std::printf("%-7lld %-7s %-12s %-31s %s\n", L, pat.c_str(), alg.c_str(), kernel.c_str(), rest.c_str());
+          std::printf("%-7lld %-7s %-12s %-31s %s\n", L, pat.c_str(), alg.c_str(), kernel.c_str(),
+                      rest.c_str());
           continue;
         }
-        std::printf("%-7lld %-7s %-12s %-31s %10.1f %11.1f %10.1f %14.1f %13.1f %16.1f %9.0f\n", L, pat.c_str(),
-                    alg.c_str(), kernel.c_str(), tensors / kMiB, static_cast<double>(before) / 1024.0,
-                    static_cast<double>(peak) / 1024.0, static_cast<double>(peak - before) / 1024.0,
+        std::printf("%-7lld %-7s %-12s %-31s %10.1f %11.1f %10.1f %14.1f %13.1f %16.1f %9.0f\n", L,
+                    pat.c_str(), alg.c_str(), kernel.c_str(), tensors / kMiB,
+                    static_cast<double>(before) / 1024.0, static_cast<double>(peak) / 1024.0,
+                    static_cast<double>(peak - before) / 1024.0,
                     static_cast<double>(peak) / 1024.0 - tensors / kMiB, scores, ms);
         std::fflush(stdout);
       }
     }
   }
-  std::printf("\nAll sizes in MiB. forward extra = peak RSS - RSS once the inputs and the output were allocated and\n"
-              "filled: the working memory of the call (thread stacks, scratch). H*L*L fp32 is what one score matrix\n"
-              "per head would take (the quadratic growth that a fused or tiled forward avoids).\n");
+  std::printf(
+      "\nAll sizes in MiB. forward extra = peak RSS - RSS once the inputs and the output were allocated and\n"
+      "filled: the working memory of the call (thread stacks, scratch). H*L*L fp32 is what one score matrix\n"
+      "per head would take (the quadratic growth that a fused or tiled forward avoids).\n");
   return kExitOk;
 }
 
@@ -1061,7 +1109,9 @@ void add_bench_command(CLI::App& app) {
   c->add_option("--lengths", o.lengths, "sequence lengths (Lq = Lk), comma separated")
       ->delimiter(',')
       ->capture_default_str();
-  c->add_option("--patterns", o.patterns, "N:M patterns (dense = 1:1)")->delimiter(',')->capture_default_str();
+  c->add_option("--patterns", o.patterns, "N:M patterns (dense = 1:1)")
+      ->delimiter(',')
+      ->capture_default_str();
   c->add_option("--algorithms", o.algorithms,
                 "cpu algorithms: fused, three-stage (three-stage rows are made for sparse patterns only)")
       ->delimiter(',')
@@ -1072,7 +1122,8 @@ void add_bench_command(CLI::App& app) {
   c->add_option("--batch", o.batch, "batch size")->capture_default_str();
   c->add_option("--heads", o.heads, "attention heads")->capture_default_str();
   c->add_option("--head-dim", o.head_dim, "head dimension")->capture_default_str();
-  c->add_option("--threads", o.threads, "threads for dfss, torch and OpenBLAS (0: all)")->capture_default_str();
+  c->add_option("--threads", o.threads, "threads for dfss, torch and OpenBLAS (0: all)")
+      ->capture_default_str();
   c->add_option("--dtype", o.dtype_name, "dfss input type: f32, f16, bf16 (torch rows are fp32)")
       ->capture_default_str();
   c->add_option("--warmup", o.warmup, "untimed calls per configuration")->capture_default_str();
@@ -1087,14 +1138,17 @@ void add_bench_command(CLI::App& app) {
   c->add_option("--json", o.json, "also write the results as JSON to FILE");
   c->add_flag("--no-torch", o.no_torch, "skip the PyTorch peers");
   c->add_flag("--no-torch-tuned", o.no_torch_tuned, "skip the tuned-environment rows of torch 1.x");
-  c->add_option("--python", o.python, "Python interpreters to try for torch (identical torch versions deduplicated)")
+  c->add_option("--python", o.python,
+                "Python interpreters to try for torch (identical torch versions deduplicated)")
       ->delimiter(',')
       ->capture_default_str();
   c->add_option("--torch-script", o.torch_script, "path of tools/bench/torch_attention.py (default: found)");
   c->add_flag("--no-sgemm", o.no_sgemm, "skip the OpenBLAS sgemm yardstick");
   c->add_flag("--backward", o.backward, "benchmark the backward pass (not yet)");
   c->add_flag("--memory", o.memory, "peak resident memory of the fused forward per length (child processes)");
-  c->add_option("--memory-lengths", o.memory_lengths, "lengths for --memory")->delimiter(',')->capture_default_str();
+  c->add_option("--memory-lengths", o.memory_lengths, "lengths for --memory")
+      ->delimiter(',')
+      ->capture_default_str();
   c->add_option("--memory-patterns", o.memory_patterns, "patterns for --memory")
       ->delimiter(',')
       ->capture_default_str();
@@ -1112,9 +1166,10 @@ int run_bench() {
     if (o.batch < 1 || o.heads < 1 || o.head_dim < 1 || o.memory_heads < 1 || o.warmup < 1 || o.iters < 1 ||
         o.threads < 0 || o.ref_rows < 0 || o.lengths.empty() || o.patterns.empty() || o.algorithms.empty() ||
         o.isas.empty()) {
-      std::fprintf(stderr,
-                   "dfss bench: --batch, --heads, --head-dim, --memory-heads, --warmup and --iters must be >= 1, "
-                   "--threads and --ref-rows >= 0, and the lists non-empty\n");
+      std::fprintf(
+          stderr,
+          "dfss bench: --batch, --heads, --head-dim, --memory-heads, --warmup and --iters must be >= 1, "
+          "--threads and --ref-rows >= 0, and the lists non-empty\n");
       return kExitBadInput;
     }
     for (long long L : o.lengths)
@@ -1137,25 +1192,27 @@ int run_bench() {
     const std::string cpu = cpu_model(), date = now_utc(), commit = git_commit();
     std::printf("dfss bench: dfss %s, %s; %s%s\n", info.version.c_str(), date.c_str(),
                 commit.empty() ? "commit unknown" : "commit ", commit.c_str());
-    std::printf("machine: %s, %d hardware threads, features: %s; compiler: %s\n", cpu.c_str(), omp_get_num_procs(),
-                join(info.cpu_features, " ").c_str(), info.compiler.c_str());
-    std::printf("run: %d threads, %s inputs (standard normal), warmup %d, median of up to %d calls (budget %gs per "
-                "configuration), non-causal, no masks\n",
-                o.threads, o.dtype_name.c_str(), o.warmup, o.iters, o.budget_s);
+    std::printf("machine: %s, %d hardware threads, features: %s; compiler: %s\n", cpu.c_str(),
+                omp_get_num_procs(), join(info.cpu_features, " ").c_str(), info.compiler.c_str());
+    std::printf(
+        "run: %d threads, %s inputs (standard normal), warmup %d, median of up to %d calls (budget %gs per "
+        "configuration), non-causal, no masks\n",
+        o.threads, o.dtype_name.c_str(), o.warmup, o.iters, o.budget_s);
     std::printf("load average at start: %s\n", load_average().c_str());
     std::printf("repro: %s\n\n", repro_command().c_str());
     std::fflush(stdout);
 
     sgemm_result sg;
     if (!o.no_sgemm) {
-      std::fprintf(stderr, "  sgemm yardstick\n");
-      sg = run_sgemm_yardstick(o.threads);
+      std::fprintf(stderr, "  sgemm yardstick: setup\n");
+      setup_sgemm_yardstick(sg, o.threads);
     } else {
       sg.reason = "skipped (--no-sgemm)";
     }
 
     std::vector<row> rows;
-    for (long long L : o.lengths) bench_length(L, type, rows);
+    for (long long L : o.lengths) bench_length(L, type, rows, sg);
+    sg.finish();
     std::vector<std::string> notes;
     if (!o.no_torch) bench_torch(rows, notes);
 
@@ -1175,18 +1232,24 @@ int run_bench() {
     for (const auto& n : notes) std::printf("%s\n", n.c_str());
     std::printf("load average at end: %s\n", load_average().c_str());
     if (sg.ok) {
-      std::printf("sgemm yardstick: %s (%s) cblas_sgemm %d^3, %d threads: %.1f GFLOP/s (median %.1f ms)\n",
-                  sg.library.c_str(), sg.corename.c_str(), sg.n, o.threads, sg.gflops, sg.ms.median);
+      std::printf(
+          "sgemm yardstick: %s (%s) cblas_sgemm %d^3, %d threads: %.1f GFLOP/s (median of %zu calls spread "
+          "over the dfss rounds: %.1f ms, min %.1f, max %.1f)\n",
+          sg.library.c_str(), sg.corename.c_str(), sg.n, o.threads, sg.gflops, sg.samples.size(),
+          sg.ms.median, sg.ms.min, sg.ms.max);
       for (const row& r : rows)
-        if (r.source == "dfss" && r.ok && r.pattern == "dense" && r.algorithm == "fused" && r.isa == o.isas[0])
-          std::printf("  L=%lld: dense fused %.1f GFLOP/s = %.2f of sgemm\n", r.L, r.gflops, r.gflops / sg.gflops);
+        if (r.source == "dfss" && r.ok && r.pattern == "dense" && r.algorithm == "fused" &&
+            r.isa == o.isas[0])
+          std::printf("  L=%lld: dense fused %.1f GFLOP/s = %.2f of sgemm\n", r.L, r.gflops,
+                      r.gflops / sg.gflops);
     } else {
       std::printf("sgemm yardstick: %s\n", sg.reason.c_str());
     }
-    std::printf("\nGFLOP/s counts 4*Lq*Lk*d per head for every pattern (dense-equivalent, so it is proportional to\n"
-                "1/time); speedup = dfss dense fused ms / row ms, same shape, same run; max err = max |out - fp64\n"
-                "reference| over the first %lld query rows of every head (torch rows: vs torch float64).\n",
-                static_cast<long long>(o.ref_rows));
+    std::printf(
+        "\nGFLOP/s counts 4*Lq*Lk*d per head for every pattern (dense-equivalent, so it is proportional to\n"
+        "1/time); speedup = dfss dense fused ms / row ms, same shape, same run; max err = max |out - fp64\n"
+        "reference| over the first %lld query rows of every head (torch rows: vs torch float64).\n",
+        static_cast<long long>(o.ref_rows));
     if (!o.json.empty()) {
       write_json(o.json, rows, sg, info, cpu, date, commit, notes);
       std::printf("wrote %s\n", o.json.c_str());
@@ -1195,7 +1258,7 @@ int run_bench() {
   } catch (const dfss::error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return e.code() == status_code::invalid_argument || e.code() == status_code::unsupported ? kExitBadInput
-                                                                                           : kExitInternal;
+                                                                                             : kExitInternal;
   }
 }
 

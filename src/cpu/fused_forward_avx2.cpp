@@ -413,23 +413,28 @@ class fused_avx2 {
     const __m256 vc = _mm256_set1_ps(c_);
     const __m256 vcm = _mm256_set1_ps(c_ * mx);
     __m256 vsum = _mm256_setzero_ps();
+    // Key indices become element offsets into the packed V here (one multiply per 8 keys instead of
+    // one per key in the P V loop).
+    const __m256i vdp = _mm256_set1_epi32(dp_);
     if (masked_tile) {
-      const __m256i vzero_row = _mm256_set1_epi32(zero_row_);
+      const __m256i vzero_row = _mm256_set1_epi32(zero_row_ * dp_);
       for (int t = 0; t < kept; t += 8) {
         const __m256 x = _mm256_load_ps(cv + t);
         const __m256 e = exp2_avx2(_mm256_fmsub_ps(x, vc, vcm));
         _mm256_store_ps(cv + t, e);
         vsum = _mm256_add_ps(vsum, e);
         const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(neg_inf), _CMP_EQ_OQ);
-        const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t));
+        const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t)), vdp);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t),
-                            _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(idx), _mm256_castsi256_ps(vzero_row), masked)));
+                            _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(off), _mm256_castsi256_ps(vzero_row), masked)));
       }
     } else {
       for (int t = 0; t < kept; t += 8) {
         const __m256 e = exp2_avx2(_mm256_fmsub_ps(_mm256_load_ps(cv + t), vc, vcm));
         _mm256_store_ps(cv + t, e);
         vsum = _mm256_add_ps(vsum, e);
+        const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t)), vdp);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t), off);
       }
     }
     sum += hsum(vsum);
@@ -444,8 +449,8 @@ class fused_avx2 {
                a6 = _mm256_load_ps(acc + c0 + 48), a7 = _mm256_load_ps(acc + c0 + 56);
         // kept is a multiple of 8, so two keys per iteration need no tail.
         for (int t = 0; t < kept; t += 2) {
-          const float* v = vp + static_cast<std::int64_t>(ci[t]) * dp_ + c0;
-          const float* u = vp + static_cast<std::int64_t>(ci[t + 1]) * dp_ + c0;
+          const float* v = vp + ci[t] + c0;
+          const float* u = vp + ci[t + 1] + c0;
           const __m256 pj = _mm256_broadcast_ss(cv + t);
           const __m256 pu = _mm256_broadcast_ss(cv + t + 1);
           a0 = _mm256_fmadd_ps(pj, _mm256_load_ps(v), a0);
@@ -476,7 +481,7 @@ class fused_avx2 {
       } else {
         for (int t = 0; t < kept; ++t) {
           const __m256 pj = _mm256_broadcast_ss(cv + t);
-          const float* v = vp + static_cast<std::int64_t>(ci[t]) * dp_ + c0;
+          const float* v = vp + ci[t] + c0;
           for (int r = 0; r < nv; ++r) {
             _mm256_store_ps(acc + c0 + 8 * r, _mm256_fmadd_ps(pj, _mm256_load_ps(v + 8 * r), _mm256_load_ps(acc + c0 + 8 * r)));
           }
@@ -581,6 +586,12 @@ class fused_avx2 {
 }  // namespace
 
 status fused_forward_avx2(const attention_params& p) noexcept {
+  // Offsets into the packed V are int32: beyond ~2^31 elements per head (e.g. 4M keys at d = 512)
+  // the generic kernel takes over.
+  const std::int64_t dp = (p.head_dim + 7) / 8 * 8;
+  if ((p.seqlen_k + kMaxKeyTile + 1) * dp > std::numeric_limits<std::int32_t>::max()) {
+    return fused_forward_scalar(p);
+  }
   try {
     switch (p.input_type) {
       case dtype::f32: fused_avx2<float>(p).run(); break;

@@ -239,8 +239,14 @@ class fused_avx2 {
     // into its 16-key panels (c outer, so the stores are contiguous), V copied row by row.
     float* row = ws.q.ptr;  // the Q tile scratch is free while packing (dp floats needed)
     bool risky = false;
+    bool fast = false;
+    if constexpr (std::is_same_v<T, float>) fast = p_.k_stride[3] == 1 && d_ % 8 == 0;
     for (std::int64_t blk = 0; blk < lk_pad_ / 16; ++blk) {
       float* panel = kt + blk * dp_ * 16;
+      if (fast) {
+        risky |= !pack_panel_f32(b, hk, blk * 16, panel);
+        continue;
+      }
       for (int t = 0; t < 16; ++t) {
         const std::int64_t j = blk * 16 + t;
         load_row(p_.k, p_.k_stride, b, j, hk, j < lk, row);
@@ -255,6 +261,48 @@ class fused_avx2 {
     ws.kv_risky = risky;
     ws.packed_b = b;
     ws.packed_hk = hk;
+  }
+
+  /// Packs keys j0 .. j0 + 15 of an f32 K with unit element stride and d % 8 == 0 into a [dp][16]
+  /// panel by 8 x 8 register transposes (keys >= Lk are zero). Returns whether all values are tame
+  /// (see row_is_tame).
+  bool pack_panel_f32(std::int64_t b, std::int64_t hk, std::int64_t j0, float* panel) const {
+    const float* k = static_cast<const float*>(p_.k);
+    const __m256 lim = _mm256_set1_ps(0x1p50f);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int half = 0; half < 2; ++half) {
+      const float* rows[8];
+      for (int r = 0; r < 8; ++r) {
+        const std::int64_t j = j0 + 8 * half + r;
+        rows[r] = j < p_.seqlen_k ? k + core::offset4(p_.k_stride, b, j, hk, 0) : nullptr;
+      }
+      for (int c0 = 0; c0 < d_; c0 += 8) {
+        __m256 r[8];
+        for (int q = 0; q < 8; ++q) {
+          r[q] = rows[q] != nullptr ? _mm256_loadu_ps(rows[q] + c0) : _mm256_setzero_ps();
+          ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(r[q], abs_mask), lim, _CMP_LE_OQ));
+        }
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        float* out = panel + c0 * 16 + 8 * half;
+        _mm256_store_ps(out + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_store_ps(out + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_store_ps(out + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_store_ps(out + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_store_ps(out + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_store_ps(out + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_store_ps(out + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_store_ps(out + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+      }
+    }
+    return _mm256_movemask_ps(ok) == 0xff;
   }
 
   /// Whether every value of a packed row is finite and at most 2^50 in magnitude: then no product or

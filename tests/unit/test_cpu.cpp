@@ -235,3 +235,32 @@ TEST(Cpu, Avx2AgreesWithGenericOnLargerShapes) {
 
 }  // namespace
 }  // namespace dfss::testing
+
+namespace dfss::testing {
+namespace {
+
+TEST(Cpu, NaNInKeysReachesEveryRowThatSeesTheKey) {
+  // d = 16 f32 packed takes the vectorised packing path; a NaN score ranks above every number, so
+  // it is kept and turns every row that sees key 21 into NaN (and no other row).
+  std::mt19937_64 rng(test_seed() + 16);
+  problem pr;
+  pr.Lq = 40, pr.Lk = 50, pr.d = 16, pr.causal = true, pr.pat = {2, 4};
+  fill(pr, rng);
+  pr.k[static_cast<std::size_t>(21 * 16 + 3)] = kNaN;
+  const auto want = run_forward(pr);
+  for (cpu_isa isa : runnable_isas()) {
+    run_options opt;
+    opt.type = dtype::f32;
+    opt.backend = backend::cpu;
+    opt.isa = isa;
+    const auto got = run_forward(pr, opt);
+    for (std::int64_t i = 0; i < pr.Lq; ++i) {
+      const bool sees = 21 <= i + (pr.Lk - pr.Lq);
+      EXPECT_EQ(std::isnan(got.o[static_cast<std::size_t>(i * 16)]), sees) << isa_name(isa) << " row " << i;
+      EXPECT_EQ(std::isnan(want.o[static_cast<std::size_t>(i * 16)]), sees) << "reference row " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dfss::testing

@@ -179,6 +179,51 @@ inline naive_result naive_forward(const problem& pr) {
   return r;
 }
 
+/// Score q_i . k_j (+ bias) of (batch b, head h) in fp64, before masks; packed [B, L, H, d] data.
+inline double score(const problem& pr, std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {
+  double acc = 0;
+  const std::int64_t hk = h / (pr.H / pr.Hkv);
+  for (std::int64_t c = 0; c < pr.d; ++c)
+    acc += pr.q[static_cast<std::size_t>(((b * pr.Lq + i) * pr.H + h) * pr.d + c)] *
+           pr.k[static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + hk) * pr.d + c)];
+  if (pr.has_bias) {
+    const std::int64_t bb = pr.bias_b ? b : 0, hb = pr.bias_h ? h : 0;
+    acc += pr.bias[static_cast<std::size_t>(((bb * (pr.bias_h ? pr.H : 1) + hb) * pr.Lq + i) * pr.Lk + j)];
+  }
+  return acc;
+}
+
+/// Smallest gap, over every group of every row, between the N-th and (N+1)-th largest finite scores
+/// (masks not applied), per row [B, Lq, H] order. A selection can only flip where the gap is small.
+inline std::vector<double> selection_gaps(const problem& pr) {
+  std::vector<double> gaps(static_cast<std::size_t>(pr.B * pr.Lq * pr.H), kInf);
+  for (std::int64_t b = 0; b < pr.B; ++b)
+    for (std::int64_t h = 0; h < pr.H; ++h)
+      for (std::int64_t i = 0; i < pr.Lq; ++i)
+        for (std::int64_t g = 0; g < pr.Lk; g += pr.pat.m) {
+          std::vector<double> s;
+          for (std::int64_t j = g; j < std::min(g + pr.pat.m, pr.Lk); ++j) {
+            const double x = score(pr, b, h, i, j);
+            if (std::isfinite(x)) s.push_back(x);
+          }
+          std::sort(s.rbegin(), s.rend());
+          if (static_cast<std::int64_t>(s.size()) > pr.pat.n) {
+            double& gap = gaps[static_cast<std::size_t>((b * pr.Lq + i) * pr.H + h)];
+            gap = std::min(gap, s[static_cast<std::size_t>(pr.pat.n - 1)] - s[static_cast<std::size_t>(pr.pat.n)]);
+          }
+        }
+  return gaps;
+}
+
+/// Rows in which some group's N-th and (N+1)-th largest scores lie within @p bound: there an fp32
+/// kernel may legitimately keep a different key than the fp64 reference.
+inline std::vector<bool> near_tie_rows(const problem& pr, double bound) {
+  const auto gaps = selection_gaps(pr);
+  std::vector<bool> rows(gaps.size());
+  for (std::size_t r = 0; r < gaps.size(); ++r) rows[r] = gaps[r] < bound;
+  return rows;
+}
+
 /// Largest |a - b| / (1 + |b|) over finite pairs; a NaN or infinity mismatch (in position or sign)
 /// counts as infinity, so non-finite values are compared, never skipped.
 inline double max_rel_err(const std::vector<double>& a, const std::vector<double>& b) {

@@ -307,29 +307,6 @@ TEST(CpuThreeStage, MatchesReferenceAndCompressedOutputsAreExactOnIntegerInputs)
   }
 }
 
-/// Rows in which some group's N-th and (N+1)-th largest scores lie within @p bound: there an fp32
-/// kernel may legitimately keep a different key than the fp64 reference.
-std::vector<bool> near_tie_rows(const problem& pr, double bound) {
-  std::vector<bool> rows(static_cast<std::size_t>(pr.B * pr.Lq * pr.H), false);
-  for (std::int64_t b = 0; b < pr.B; ++b)
-    for (std::int64_t h = 0; h < pr.H; ++h)
-      for (std::int64_t i = 0; i < pr.Lq; ++i)
-        for (std::int64_t g = 0; g < pr.Lk; g += pr.pat.m) {
-          std::vector<double> s;
-          for (std::int64_t j = g; j < std::min(g + pr.pat.m, pr.Lk); ++j) {
-            double acc = 0;
-            for (std::int64_t c = 0; c < pr.d; ++c)
-              acc += pr.q[static_cast<std::size_t>(((b * pr.Lq + i) * pr.H + h) * pr.d + c)] *
-                     pr.k[static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + h / (pr.H / pr.Hkv)) * pr.d + c)];
-            s.push_back(acc);
-          }
-          std::sort(s.rbegin(), s.rend());
-          if (static_cast<std::int64_t>(s.size()) > pr.pat.n &&
-              s[static_cast<std::size_t>(pr.pat.n - 1)] - s[static_cast<std::size_t>(pr.pat.n)] < bound)
-            rows[static_cast<std::size_t>((b * pr.Lq + i) * pr.H + h)] = true;
-        }
-  return rows;
-}
 
 TEST(CpuThreeStage, MatchesReferenceAndFusedOnRandomInputs) {
   std::mt19937_64 rng(test_seed() + 22);

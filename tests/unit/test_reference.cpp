@@ -316,31 +316,11 @@ TEST(Reference, BackwardMatchesMatrixFormulation) {
   }
 }
 
-/// Smallest gap, over all groups of all rows, between the N-th and (N+1)-th largest finite scores:
-/// a central difference with a step well below it cannot change the selection.
+/// Smallest selection gap of the whole problem: a central difference with a step well below it
+/// cannot change the selection.
 double min_selection_gap(const problem& pr) {
-  double gap = kInf;
-  problem dense = pr;
-  dense.pat = {1, 1};
-  for (std::int64_t b = 0; b < pr.B; ++b)
-    for (std::int64_t h = 0; h < pr.H; ++h)
-      for (std::int64_t i = 0; i < pr.Lq; ++i)
-        for (std::int64_t g = 0; g < pr.Lk; g += pr.pat.m) {
-          std::vector<double> s;
-          for (std::int64_t j = g; j < std::min(g + pr.pat.m, pr.Lk); ++j) {
-            double acc = 0;
-            for (std::int64_t c = 0; c < pr.d; ++c)
-              acc += pr.q[static_cast<std::size_t>(((b * pr.Lq + i) * pr.H + h) * pr.d + c)] *
-                     pr.k[static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + h / (pr.H / pr.Hkv)) * pr.d + c)];
-            if (pr.has_bias)
-              acc += pr.bias[static_cast<std::size_t>((((pr.bias_b ? b : 0) * (pr.bias_h ? pr.H : 1) + (pr.bias_h ? h : 0)) * pr.Lq + i) * pr.Lk + j)];
-            if (std::isfinite(acc)) s.push_back(acc);
-          }
-          std::sort(s.rbegin(), s.rend());
-          if (static_cast<std::int64_t>(s.size()) > pr.pat.n)
-            gap = std::min(gap, s[static_cast<std::size_t>(pr.pat.n - 1)] - s[static_cast<std::size_t>(pr.pat.n)]);
-        }
-  return gap;
+  const auto gaps = selection_gaps(pr);
+  return *std::min_element(gaps.begin(), gaps.end());
 }
 
 TEST(Reference, BackwardMatchesFiniteDifferences) {

@@ -2,7 +2,7 @@
 //
 // Shapes: B = 1, H = 12, d = 64, L = Lq = Lk in {1024, 2048}, fp32, standard normal inputs,
 // non-causal. Benchmarks:
-//   fused/<isa>/<pattern>/L      the fused forward with cpu_isa generic or avx2, patterns dense,
+//   fused/<isa>/<pattern>/L      the fused forward with cpu_isa generic, avx2 or portable, patterns dense,
 //                                1:2 and 2:4
 //   three_stage/<pattern>/L      the three-stage forward (1:2, 2:4)
 // Counters: GFLOP, a rate (shown as GFLOP=x/s), counts 4 * Lq * Lk * d per head for every pattern
@@ -93,7 +93,8 @@ void register_all() {
   };
   const named_pattern patterns[] = {{"dense", {1, 1}}, {"1:2", {1, 2}}, {"2:4", {2, 4}}};
   const std::pair<const char*, dfss::cpu_isa> isas[] = {{"generic", dfss::cpu_isa::generic},
-                                                        {"avx2", dfss::cpu_isa::avx2}};
+                                                        {"avx2", dfss::cpu_isa::avx2},
+                                                        {"portable", dfss::cpu_isa::portable}};
   for (const auto& [isa_name, isa] : isas) {
     for (const auto& np : patterns) {
       dfss::attention_config cfg;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "dfss/error.hpp"
 #include "dfss/params.hpp"
@@ -21,12 +22,19 @@ enum class cpu_algorithm : int {
   three_stage,  ///< the paper's pipeline: Q K^T with fused selection -> compressed softmax -> SpMM
 };
 
-/// @brief Instruction set of the CPU kernels; automatic picks the best one the CPU supports.
+/// @brief Instruction set of the CPU kernels; automatic picks AVX2 when the CPU has it, else portable.
 enum class cpu_isa : int {
   automatic,
   generic,  ///< portable scalar C++ (the twin every SIMD kernel is tested against)
   avx2,     ///< x86-64 AVX2 + FMA (+ F16C for f16 inputs)
+  portable, ///< compiler vector extensions: NEON on ARM, SSE on baseline x86-64 (no AVX2 needed)
 };
+
+/// @brief Parses "fused" or "three-stage" (also "three_stage"); throws dfss::error naming @p argument.
+cpu_algorithm parse_cpu_algorithm(std::string_view text, std::string_view argument = "cpu_algorithm");
+/// @brief Parses "automatic" (or "auto"), "generic", "avx2" or "portable"; throws dfss::error naming
+/// @p argument otherwise.
+cpu_isa parse_cpu_isa(std::string_view text, std::string_view argument = "cpu_isa");
 
 /// @brief What to compute and where. Defaults: 2:4, scale 1/sqrt(d), no causal mask, automatic
 /// backend, all hardware threads.
@@ -95,6 +103,7 @@ enum class kernel_kind : int {
   cpu_fused_forward_scalar,
   cpu_fused_forward_avx2,
   cpu_three_stage_forward,
+  cpu_fused_forward_portable,
 };
 
 /// @brief The selector's answer: supported or not, and what runs.

@@ -25,6 +25,7 @@ status run_forward(const attention_params& p, const kernel_selection& s) {
     case kernel_kind::reference_forward: return ref::reference_forward(p);
     case kernel_kind::cpu_fused_forward_scalar: return cpu::fused_forward_scalar(p);
     case kernel_kind::cpu_fused_forward_avx2: return cpu::fused_forward_avx2(p);
+    case kernel_kind::cpu_fused_forward_portable: return cpu::fused_forward_portable(p);
     case kernel_kind::cpu_three_stage_forward: return cpu::three_stage_forward(p);
     default: break;
   }

@@ -51,9 +51,11 @@ kernel_selection select_cpu(const attention_params& p, const attention_config& c
                                         std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
       }
       return make(kernel_kind::cpu_fused_forward_avx2, backend::cpu, "cpu.fused_forward.avx2");
+    case cpu_isa::portable:
+      return make(kernel_kind::cpu_fused_forward_portable, backend::cpu, "cpu.fused_forward.portable");
     case cpu_isa::automatic:
       return avx2_ok ? make(kernel_kind::cpu_fused_forward_avx2, backend::cpu, "cpu.fused_forward.avx2")
-                     : make(kernel_kind::cpu_fused_forward_scalar, backend::cpu, "cpu.fused_forward.scalar");
+                     : make(kernel_kind::cpu_fused_forward_portable, backend::cpu, "cpu.fused_forward.portable");
   }
   return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
 }

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <string>
 
+#include "dfss/attention.hpp"
 #include "dfss/error.hpp"
 
 namespace dfss {
@@ -94,6 +95,23 @@ backend parse_backend(std::string_view text, std::string_view argument) {
               "dfss: argument '" + std::string(argument) +
                   "': expected one of automatic, reference, cpu, cuda; got \"" +
                   std::string(text) + "\"");
+}
+
+cpu_algorithm parse_cpu_algorithm(std::string_view text, std::string_view argument) {
+  if (text == "fused") return cpu_algorithm::fused;
+  if (text == "three-stage" || text == "three_stage") return cpu_algorithm::three_stage;
+  throw error(status_code::invalid_argument, "dfss: argument '" + std::string(argument) +
+                                                 "': expected fused or three-stage, got \"" + std::string(text) + "\"");
+}
+
+cpu_isa parse_cpu_isa(std::string_view text, std::string_view argument) {
+  if (text == "automatic" || text == "auto") return cpu_isa::automatic;
+  if (text == "generic") return cpu_isa::generic;
+  if (text == "avx2") return cpu_isa::avx2;
+  if (text == "portable") return cpu_isa::portable;
+  throw error(status_code::invalid_argument, "dfss: argument '" + std::string(argument) +
+                                                 "': expected automatic, generic, avx2 or portable, got \"" +
+                                                 std::string(text) + "\"");
 }
 
 }  // namespace dfss

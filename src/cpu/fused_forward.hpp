@@ -16,6 +16,10 @@ status fused_forward_scalar(const attention_params& p) noexcept;
 /// The caller (the selector) checks the CPU features first.
 status fused_forward_avx2(const attention_params& p) noexcept;
 
+/// @brief Portable-SIMD fused forward (compiler vector extensions; NEON on ARM); same contract. The
+/// fast path on CPUs without AVX2.
+status fused_forward_portable(const attention_params& p) noexcept;
+
 /// @brief The paper's three-stage pipeline on the CPU: (a) Q K^T with the N:M selection fused into
 /// the tile epilogue, writing compressed values, indices and (1:2, 2:4) metadata; (b) softmax over
 /// the compressed rows; (c) compressed-by-dense product with V. Writes p.compressed_* when non-null.

@@ -18,14 +18,16 @@ constexpr double kEps32 = 1.0 / (1 << 23);
 
 /// The ISAs this machine can run; every test below runs for each of them.
 std::vector<cpu_isa> runnable_isas() {
-  std::vector<cpu_isa> out{cpu_isa::generic};
+  std::vector<cpu_isa> out{cpu_isa::generic, cpu_isa::portable};
   const auto f = get_build_info().cpu_features;
   auto has = [&](const char* x) { return std::find(f.begin(), f.end(), x) != f.end(); };
   if (has("avx2") && has("fma") && has("f16c")) out.push_back(cpu_isa::avx2);
   return out;
 }
 
-const char* isa_name(cpu_isa i) { return i == cpu_isa::avx2 ? "avx2" : "generic"; }
+const char* isa_name(cpu_isa i) {
+  return i == cpu_isa::avx2 ? "avx2" : (i == cpu_isa::portable ? "portable" : "generic");
+}
 
 double output_tol(const problem& pr, dtype out) {
   double vmax = 0;
@@ -179,7 +181,7 @@ TEST(Cpu, EmptyRowsAndNaN) {
 TEST(Cpu, Avx2AgreesWithGenericOnLargerShapes) {
   // Shapes that exercise several key tiles, partial tiles, d not a multiple of 8 or above 64, and
   // the generic N:M path inside the AVX2 kernel.
-  if (runnable_isas().size() < 2) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  if (runnable_isas().size() < 3) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
   std::mt19937_64 rng(test_seed() + 15);
   struct shape {
     std::int64_t B, Lq, Lk, H, Hkv, d;
@@ -199,11 +201,13 @@ TEST(Cpu, Avx2AgreesWithGenericOnLargerShapes) {
       const auto a = run_forward(pr, opt);
       opt.isa = cpu_isa::avx2;
       const auto b = run_forward(pr, opt);
+      opt.isa = cpu_isa::portable;
+      const auto c = run_forward(pr, opt);
       const auto want = run_forward(pr);
       double err = 0;
       for (std::size_t x = 0; x < a.o.size(); ++x) {
-        ASSERT_TRUE(std::isfinite(b.o[x])) << pr.describe();
-        err = std::max({err, std::abs(a.o[x] - want.o[x]), std::abs(b.o[x] - want.o[x])});
+        ASSERT_TRUE(std::isfinite(b.o[x]) && std::isfinite(c.o[x])) << pr.describe();
+        err = std::max({err, std::abs(a.o[x] - want.o[x]), std::abs(b.o[x] - want.o[x]), std::abs(c.o[x] - want.o[x])});
       }
       EXPECT_LE(err, output_tol(pr, dtype::f32)) << pr.describe();
     }

@@ -67,19 +67,6 @@ int fail(const std::string& message) {
   return kExitBadInput;
 }
 
-cpu_algorithm parse_algorithm(const std::string& text) {
-  if (text == "fused") return cpu_algorithm::fused;
-  if (text == "three-stage" || text == "three_stage") return cpu_algorithm::three_stage;
-  throw bad_input("--algorithm: expected fused or three-stage, got '" + text + "'");
-}
-
-cpu_isa parse_isa(const std::string& text) {
-  if (text == "automatic") return cpu_isa::automatic;
-  if (text == "generic") return cpu_isa::generic;
-  if (text == "avx2") return cpu_isa::avx2;
-  throw bad_input("--isa: expected automatic, generic or avx2, got '" + text + "'");
-}
-
 }  // namespace
 
 void add_attention_command(CLI::App& app, attention_options& o) {
@@ -120,8 +107,8 @@ int run_attention(const attention_options& o) {
     cfg.scale = o.scale;
     cfg.causal = o.causal;
     cfg.num_threads = o.threads;
-    cfg.cpu_algorithm = parse_algorithm(o.algorithm);
-    cfg.cpu_isa = parse_isa(o.isa);
+    cfg.cpu_algorithm = parse_cpu_algorithm(o.algorithm, "--algorithm");
+    cfg.cpu_isa = parse_cpu_isa(o.isa, "--isa");
     const bool save_compressed = !o.save_compressed.empty();
     if (save_compressed && cfg.cpu_algorithm != cpu_algorithm::three_stage) {
       return fail("--save-compressed needs --algorithm three-stage (the fused kernel never forms the compressed "

@@ -515,20 +515,10 @@ dtype parse_dtype(const std::string& s) {
               "dfss bench: argument '--dtype': expected f32, f16 or bf16, got '" + s + "'");
 }
 
-cpu_algorithm parse_algorithm(const std::string& s) {
-  if (s == "fused") return cpu_algorithm::fused;
-  if (s == "three-stage" || s == "three_stage") return cpu_algorithm::three_stage;
-  throw error(status_code::invalid_argument,
-              "dfss bench: argument '--algorithms': expected fused or three-stage, got '" + s + "'");
-}
 
-cpu_isa parse_isa(const std::string& s) {
-  if (s == "automatic" || s == "auto") return cpu_isa::automatic;
-  if (s == "generic" || s == "scalar") return cpu_isa::generic;
-  if (s == "avx2") return cpu_isa::avx2;
-  throw error(status_code::invalid_argument,
-              "dfss bench: argument '--isa': expected automatic, generic or avx2, got '" + s + "'");
-}
+
+cpu_algorithm parse_cpu_algorithm_arg(const std::string& s) { return parse_cpu_algorithm(s, "--algorithms"); }
+cpu_isa parse_cpu_isa_arg(const std::string& s) { return parse_cpu_isa(s, "--isa"); }
 
 // ---------------------------------------------------------------------------------------------
 // The OpenBLAS sgemm yardstick (dlopen: no build-time dependency)
@@ -645,7 +635,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   for (std::size_t ii = 0; ii < g_opt.isas.size(); ++ii) {
     for (const auto& pat : g_opt.patterns) {
       for (const auto& alg : g_opt.algorithms) {
-        const cpu_algorithm algorithm = parse_algorithm(alg);
+        const cpu_algorithm algorithm = parse_cpu_algorithm_arg(alg);
         const pattern p = pattern::parse(pat, "--patterns");
         if (algorithm == cpu_algorithm::three_stage && (p.is_dense() || ii > 0)) continue;
         auto s = std::make_unique<run_state>();
@@ -653,7 +643,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
         s->cfg.backend = backend::cpu;
         s->cfg.num_threads = g_opt.threads;
         s->cfg.cpu_algorithm = algorithm;
-        s->cfg.cpu_isa = parse_isa(g_opt.isas[ii]);
+        s->cfg.cpu_isa = parse_cpu_isa(g_opt.isas[ii], "--isa");
         s->r.source = "dfss";
         s->r.B = B;
         s->r.H = H;
@@ -1017,8 +1007,8 @@ int run_memory_child() {
   cfg.pattern = pattern::parse(g_opt.patterns.at(0), "--patterns");
   cfg.backend = backend::cpu;
   cfg.num_threads = g_opt.threads;
-  cfg.cpu_algorithm = parse_algorithm(g_opt.algorithms.at(0));
-  cfg.cpu_isa = parse_isa(g_opt.isas.at(0));
+  cfg.cpu_algorithm = parse_cpu_algorithm_arg(g_opt.algorithms.at(0));
+  cfg.cpu_isa = parse_cpu_isa_arg(g_opt.isas.at(0));
   const long before = max_rss_kib();
   const std::size_t tensors = q.bytes() + k.bytes() + v.bytes() + out.size() * sizeof(float);
   const kernel_selection sel = select_kernel(a, cfg);
@@ -1051,7 +1041,7 @@ int run_memory() {
   for (long long L : g_opt.memory_lengths) {
     for (const auto& pat : g_opt.memory_patterns) {
       for (const auto& alg : g_opt.algorithms) {
-        if (parse_algorithm(alg) == cpu_algorithm::three_stage &&
+        if (parse_cpu_algorithm_arg(alg) == cpu_algorithm::three_stage &&
             pattern::parse(pat, "--memory-patterns").is_dense())
           continue;
         std::ostringstream cmd;
@@ -1116,7 +1106,7 @@ void add_bench_command(CLI::App& app) {
                 "cpu algorithms: fused, three-stage (three-stage rows are made for sparse patterns only)")
       ->delimiter(',')
       ->capture_default_str();
-  c->add_option("--isa", o.isas, "fused-kernel ISAs: automatic, generic, avx2 (a list compares them)")
+  c->add_option("--isa", o.isas, "fused-kernel ISAs: automatic, generic, avx2, portable (a list compares them)")
       ->delimiter(',')
       ->capture_default_str();
   c->add_option("--batch", o.batch, "batch size")->capture_default_str();
@@ -1181,8 +1171,8 @@ int run_bench() {
     const dtype type = parse_dtype(o.dtype_name);
     for (const auto& p : o.patterns) pattern::parse(p, "--patterns");
     for (const auto& p : o.memory_patterns) pattern::parse(p, "--memory-patterns");
-    for (const auto& a : o.algorithms) parse_algorithm(a);
-    for (const auto& i : o.isas) parse_isa(i);
+    for (const auto& a : o.algorithms) parse_cpu_algorithm_arg(a);
+    for (const auto& i : o.isas) parse_cpu_isa_arg(i);
     if (o.threads == 0) o.threads = omp_get_num_procs();
 
     if (o.memory_child > 0) return run_memory_child();

@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -165,6 +166,7 @@ struct aligned_buffer {
   void resize(std::size_t n) {
     if (n <= size) return;
     std::free(ptr);
+    size = 0;  // stays consistent if the allocation below fails
     ptr = static_cast<E*>(std::aligned_alloc(32, (n * sizeof(E) + 31) / 32 * 32));
     if (ptr == nullptr) throw std::bad_alloc();
     size = n;
@@ -199,6 +201,7 @@ class fused_avx2 {
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
     const std::int64_t tasks = p_.batch * p_.heads * q_tiles;
     const int threads = p_.num_threads > 0 ? p_.num_threads : omp_get_max_threads();
+    std::atomic<bool> out_of_memory{false};
 #pragma omp parallel num_threads(threads)
     {
       // The scratch lives as long as the thread (OpenMP keeps its threads), so repeated calls do not
@@ -206,27 +209,37 @@ class fused_avx2 {
       static thread_local workspace tls;
       workspace& ws = tls;
       ws.packed_b = ws.packed_hk = -1;
-      ws.kt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
-      ws.vp.resize(static_cast<std::size_t>((lk_pad_ + 1) * dp_));
-      ws.q.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
-      ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
-      ws.acc.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
-      ws.comp_val.resize(static_cast<std::size_t>(w_ + 8));
-      ws.comp_idx.resize(static_cast<std::size_t>(w_ + 8));
-      ws.row_max.resize(kRowsPerTask);
-      ws.row_sum.resize(kRowsPerTask);
-      ws.row_nan.resize(kRowsPerTask);
+      // Exceptions must not leave the parallel region: a failed allocation is reported after it.
+      bool ready = true;
+      try {
+        ws.kt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
+        ws.vp.resize(static_cast<std::size_t>((lk_pad_ + 1) * dp_));
+        ws.q.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
+        ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+        ws.acc.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
+        ws.comp_val.resize(static_cast<std::size_t>(w_ + 8));
+        ws.comp_idx.resize(static_cast<std::size_t>(w_ + 8));
+        ws.row_max.resize(kRowsPerTask);
+        ws.row_sum.resize(kRowsPerTask);
+        ws.row_nan.resize(kRowsPerTask);
+      } catch (const std::bad_alloc&) {
+        ready = false;
+        out_of_memory = true;
+      }
       // Causal tasks differ in cost: hand them out dynamically. Otherwise contiguous static chunks
       // let each thread pack each (batch, kv head) once. Either way every row is computed by one
       // thread in a fixed order, so the result does not depend on the thread count.
       if (p_.causal) {
 #pragma omp for schedule(dynamic, 1)
-        for (std::int64_t t = 0; t < tasks; ++t) task(ws, t, q_tiles);
+        for (std::int64_t t = 0; t < tasks; ++t)
+          if (ready) task(ws, t, q_tiles);
       } else {
 #pragma omp for schedule(static)
-        for (std::int64_t t = 0; t < tasks; ++t) task(ws, t, q_tiles);
+        for (std::int64_t t = 0; t < tasks; ++t)
+          if (ready) task(ws, t, q_tiles);
       }
     }
+    if (out_of_memory) throw std::bad_alloc();
   }
 
  private:

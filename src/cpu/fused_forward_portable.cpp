@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -95,6 +96,7 @@ struct aligned_buffer {
   void resize(std::size_t n) {
     if (n <= size) return;
     std::free(ptr);
+    size = 0;  // stays consistent if the allocation below fails
     ptr = static_cast<E*>(std::aligned_alloc(32, (n * sizeof(E) + 31) / 32 * 32));
     if (ptr == nullptr) throw std::bad_alloc();
     size = n;
@@ -124,29 +126,40 @@ class fused_portable {
     const std::int64_t q_tiles = (p_.seqlen_q + kRows - 1) / kRows;
     const std::int64_t tasks = p_.batch * p_.heads * q_tiles;
     const int threads = p_.num_threads > 0 ? p_.num_threads : omp_get_max_threads();
+    std::atomic<bool> out_of_memory{false};
 #pragma omp parallel num_threads(threads)
     {
       static thread_local workspace tls;
       workspace& ws = tls;
       ws.packed_b = ws.packed_hk = -1;
-      ws.kt.resize(static_cast<std::size_t>(lk_pad_ * dp_));
-      ws.vp.resize(static_cast<std::size_t>((lk_pad_ + 1) * dp_));
-      ws.q.resize(static_cast<std::size_t>(kRows * dp_));
-      ws.s.resize(static_cast<std::size_t>(kRows * w_));
-      ws.acc.resize(static_cast<std::size_t>(kRows * dp_));
-      ws.cv.resize(static_cast<std::size_t>(w_ + 8));
-      ws.ci.resize(static_cast<std::size_t>(w_ + 8));
-      ws.row_max.resize(kRows);
-      ws.row_sum.resize(kRows);
-      ws.row_nan.resize(kRows);
+      // Exceptions must not leave the parallel region: a failed allocation is reported after it.
+      bool ready = true;
+      try {
+        ws.kt.resize(static_cast<std::size_t>(lk_pad_ * dp_));
+        ws.vp.resize(static_cast<std::size_t>((lk_pad_ + 1) * dp_));
+        ws.q.resize(static_cast<std::size_t>(kRows * dp_));
+        ws.s.resize(static_cast<std::size_t>(kRows * w_));
+        ws.acc.resize(static_cast<std::size_t>(kRows * dp_));
+        ws.cv.resize(static_cast<std::size_t>(w_ + 8));
+        ws.ci.resize(static_cast<std::size_t>(w_ + 8));
+        ws.row_max.resize(kRows);
+        ws.row_sum.resize(kRows);
+        ws.row_nan.resize(kRows);
+      } catch (const std::bad_alloc&) {
+        ready = false;
+        out_of_memory = true;
+      }
       if (p_.causal) {
 #pragma omp for schedule(dynamic, 1)
-        for (std::int64_t t = 0; t < tasks; ++t) task(ws, t, q_tiles);
+        for (std::int64_t t = 0; t < tasks; ++t)
+          if (ready) task(ws, t, q_tiles);
       } else {
 #pragma omp for schedule(static)
-        for (std::int64_t t = 0; t < tasks; ++t) task(ws, t, q_tiles);
+        for (std::int64_t t = 0; t < tasks; ++t)
+          if (ready) task(ws, t, q_tiles);
       }
     }
+    if (out_of_memory) throw std::bad_alloc();
   }
 
  private:

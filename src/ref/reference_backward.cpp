@@ -3,6 +3,7 @@
 //   dQ = scale * dS K,  dK = scale * dS^T Q,  dBias = scale * dS (summed over broadcast dimensions).
 #include <omp.h>
 
+#include <atomic>
 #include <vector>
 
 #include "core/element_access.hpp"
@@ -32,11 +33,52 @@ void row_dscore(const attention_params& p, const kv_block& kv, const row_result&
   }
 }
 
-void backward_qkv(const attention_params& p) {
+/// dQ of every query head of kv head (b, hk) and the dK, dV of that kv head (task t).
+void backward_qkv_task(const attention_params& p, kv_block& kv, row_result& r, std::vector<double>& dout,
+                       std::vector<double>& ds, std::vector<double>& dq, std::vector<double>& dk,
+                       std::vector<double>& dv, std::int64_t t) {
   const std::int64_t group = p.heads / p.heads_kv;
   const std::int64_t L = p.seqlen_k, d = p.head_dim;
+  const std::int64_t b = t / p.heads_kv, hk = t % p.heads_kv;
+  kv.load(p, b, hk);
+  dk.assign(static_cast<std::size_t>(L * d), 0.0);
+  dv.assign(static_cast<std::size_t>(L * d), 0.0);
+  for (std::int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+      compute_row(p, kv, b, h, i, r);
+      row_dscore(p, kv, r, b, h, i, dout, ds);
+      dq.assign(static_cast<std::size_t>(d), 0.0);
+      for (std::int64_t j = 0; j < L; ++j) {
+        if (!r.kept[static_cast<std::size_t>(j)]) continue;
+        const double sj = ds[static_cast<std::size_t>(j)] * p.scale;
+        const double pj = r.prob[static_cast<std::size_t>(j)];
+        for (std::int64_t c = 0; c < d; ++c) {
+          const auto jc = static_cast<std::size_t>(j * d + c);
+          dq[static_cast<std::size_t>(c)] += sj * kv.k[jc];
+          dk[jc] += sj * r.q[static_cast<std::size_t>(c)];
+          dv[jc] += pj * dout[static_cast<std::size_t>(c)];
+        }
+      }
+      for (std::int64_t c = 0; c < d; ++c) {
+        core::store_from_double(p.dq, p.output_type, core::offset4(p.dq_stride, b, i, h, c),
+                                dq[static_cast<std::size_t>(c)]);
+      }
+    }
+  }
+  for (std::int64_t j = 0; j < L; ++j) {
+    for (std::int64_t c = 0; c < d; ++c) {
+      const auto jc = static_cast<std::size_t>(j * d + c);
+      core::store_from_double(p.dk, p.output_type, core::offset4(p.dk_stride, b, j, hk, c), dk[jc]);
+      core::store_from_double(p.dv, p.output_type, core::offset4(p.dv_stride, b, j, hk, c), dv[jc]);
+    }
+  }
+}
+
+/// Parallel over (batch, kv head); false when an allocation failed.
+bool backward_qkv(const attention_params& p) {
   const std::int64_t tasks = p.batch * p.heads_kv;
   const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
+  std::atomic<bool> out_of_memory{false};  // exceptions must not leave the parallel region
 #pragma omp parallel num_threads(threads)
   {
     kv_block kv;
@@ -44,51 +86,53 @@ void backward_qkv(const attention_params& p) {
     std::vector<double> dout, ds, dq, dk, dv;
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < tasks; ++t) {
-      const std::int64_t b = t / p.heads_kv, hk = t % p.heads_kv;
-      kv.load(p, b, hk);
-      dk.assign(static_cast<std::size_t>(L * d), 0.0);
-      dv.assign(static_cast<std::size_t>(L * d), 0.0);
-      for (std::int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-          compute_row(p, kv, b, h, i, r);
-          row_dscore(p, kv, r, b, h, i, dout, ds);
-          dq.assign(static_cast<std::size_t>(d), 0.0);
-          for (std::int64_t j = 0; j < L; ++j) {
-            if (!r.kept[static_cast<std::size_t>(j)]) continue;
-            const double sj = ds[static_cast<std::size_t>(j)] * p.scale;
-            const double pj = r.prob[static_cast<std::size_t>(j)];
-            for (std::int64_t c = 0; c < d; ++c) {
-              const auto jc = static_cast<std::size_t>(j * d + c);
-              dq[static_cast<std::size_t>(c)] += sj * kv.k[jc];
-              dk[jc] += sj * r.q[static_cast<std::size_t>(c)];
-              dv[jc] += pj * dout[static_cast<std::size_t>(c)];
-            }
-          }
-          for (std::int64_t c = 0; c < d; ++c) {
-            core::store_from_double(p.dq, p.output_type, core::offset4(p.dq_stride, b, i, h, c),
-                                    dq[static_cast<std::size_t>(c)]);
-          }
+      if (out_of_memory) continue;
+      try {
+        backward_qkv_task(p, kv, r, dout, ds, dq, dk, dv, t);
+      } catch (const std::bad_alloc&) {
+        out_of_memory = true;
+      }
+    }
+  }
+  return !out_of_memory;
+}
+
+/// dBias rows: each row of dbias sums scale * dS over the (batch, head) pairs it broadcasts to,
+/// in increasing (batch, head) order (task t = one (bias batch, bias head) slice).
+void backward_bias_task(const attention_params& p, kv_block& kv, row_result& r, std::vector<double>& dout,
+                        std::vector<double>& ds, std::vector<double>& acc, std::int64_t t) {
+  const std::int64_t group = p.heads / p.heads_kv;
+  const std::int64_t bb_count = p.dbias_stride[0] == 0 ? 1 : p.batch;
+  const std::int64_t hb_count = p.dbias_stride[1] == 0 ? 1 : p.heads;
+  const std::int64_t bb = t / hb_count, hb = t % hb_count;
+  const std::int64_t b_lo = bb_count == 1 ? 0 : bb, b_hi = bb_count == 1 ? p.batch : bb + 1;
+  const std::int64_t h_lo = hb_count == 1 ? 0 : hb, h_hi = hb_count == 1 ? p.heads : hb + 1;
+  for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+    acc.assign(static_cast<std::size_t>(p.seqlen_k), 0.0);
+    for (std::int64_t b = b_lo; b < b_hi; ++b) {
+      for (std::int64_t h = h_lo; h < h_hi; ++h) {
+        kv.load(p, b, h / group);
+        compute_row(p, kv, b, h, i, r);
+        row_dscore(p, kv, r, b, h, i, dout, ds);
+        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+          acc[static_cast<std::size_t>(j)] += p.scale * ds[static_cast<std::size_t>(j)];
         }
       }
-      for (std::int64_t j = 0; j < L; ++j) {
-        for (std::int64_t c = 0; c < d; ++c) {
-          const auto jc = static_cast<std::size_t>(j * d + c);
-          core::store_from_double(p.dk, p.output_type, core::offset4(p.dk_stride, b, j, hk, c), dk[jc]);
-          core::store_from_double(p.dv, p.output_type, core::offset4(p.dv_stride, b, j, hk, c), dv[jc]);
-        }
-      }
+    }
+    for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
+      core::store_from_double(p.dbias, p.bias_type,
+                              bb * p.dbias_stride[0] + hb * p.dbias_stride[1] + i * p.dbias_stride[2] +
+                                  j * p.dbias_stride[3],
+                              acc[static_cast<std::size_t>(j)]);
     }
   }
 }
 
-/// dBias rows: each row of dbias sums scale * dS over the (batch, head) pairs it broadcasts to,
-/// in increasing (batch, head) order.
-void backward_bias(const attention_params& p) {
-  const std::int64_t group = p.heads / p.heads_kv;
-  const std::int64_t bb_count = p.dbias_stride[0] == 0 ? 1 : p.batch;
-  const std::int64_t hb_count = p.dbias_stride[1] == 0 ? 1 : p.heads;
-  const std::int64_t tasks = bb_count * hb_count;
+/// Parallel over the (batch, head) slices of dbias; false when an allocation failed.
+bool backward_bias(const attention_params& p) {
+  const std::int64_t tasks = (p.dbias_stride[0] == 0 ? 1 : p.batch) * (p.dbias_stride[1] == 0 ? 1 : p.heads);
   const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
+  std::atomic<bool> out_of_memory{false};
 #pragma omp parallel num_threads(threads)
   {
     kv_block kv;
@@ -96,40 +140,22 @@ void backward_bias(const attention_params& p) {
     std::vector<double> dout, ds, acc;
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < tasks; ++t) {
-      const std::int64_t bb = t / hb_count, hb = t % hb_count;
-      const std::int64_t b_lo = bb_count == 1 ? 0 : bb, b_hi = bb_count == 1 ? p.batch : bb + 1;
-      const std::int64_t h_lo = hb_count == 1 ? 0 : hb, h_hi = hb_count == 1 ? p.heads : hb + 1;
-      for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-        acc.assign(static_cast<std::size_t>(p.seqlen_k), 0.0);
-        for (std::int64_t b = b_lo; b < b_hi; ++b) {
-          for (std::int64_t h = h_lo; h < h_hi; ++h) {
-            kv.load(p, b, h / group);
-            compute_row(p, kv, b, h, i, r);
-            row_dscore(p, kv, r, b, h, i, dout, ds);
-            for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
-              acc[static_cast<std::size_t>(j)] += p.scale * ds[static_cast<std::size_t>(j)];
-            }
-          }
-        }
-        for (std::int64_t j = 0; j < p.seqlen_k; ++j) {
-          core::store_from_double(p.dbias, p.bias_type,
-                                  bb * p.dbias_stride[0] + hb * p.dbias_stride[1] +
-                                      i * p.dbias_stride[2] + j * p.dbias_stride[3],
-                                  acc[static_cast<std::size_t>(j)]);
-        }
+      if (out_of_memory) continue;
+      try {
+        backward_bias_task(p, kv, r, dout, ds, acc, t);
+      } catch (const std::bad_alloc&) {
+        out_of_memory = true;
       }
     }
   }
+  return !out_of_memory;
 }
 
 }  // namespace
 
 status reference_backward(const attention_params& p) noexcept {
-  try {
-    backward_qkv(p);
-    if (p.dbias != nullptr) backward_bias(p);
-  } catch (const std::exception& e) {
-    return {status_code::internal, std::string("dfss reference backward: ") + e.what()};
+  if (!backward_qkv(p) || (p.dbias != nullptr && !backward_bias(p))) {
+    return {status_code::internal, "dfss reference backward: out of memory"};
   }
   return status::success();
 }

@@ -104,6 +104,7 @@ enum class kernel_kind : int {
   cpu_fused_forward_avx2,
   cpu_three_stage_forward,
   cpu_fused_forward_portable,
+  cpu_fused_backward_avx2,
 };
 
 /// @brief The selector's answer: supported or not, and what runs.

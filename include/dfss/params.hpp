@@ -29,6 +29,8 @@ struct attention_params {
   dtype input_type = dtype::f32;
   /// Element type of o (and dq, dk, dv): input_type, or f32 for 16-bit inputs.
   dtype output_type = dtype::f32;
+  /// Element type of o as given (forward: the output; backward: the forward's output, when given).
+  dtype o_type = dtype::f32;
   /// Element type of lse: f64 when input_type is f64, else f32.
   dtype lse_type = dtype::f32;
 

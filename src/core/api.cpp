@@ -1,4 +1,5 @@
 // The public API: validate, select, dispatch; statuses become dfss::error at this boundary.
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -33,9 +34,38 @@ status run_forward(const attention_params& p, const kernel_selection& s) {
                                      "', which is not a forward kernel"};
 }
 
+/// The CPU backward needs the forward's O and LSE; when the caller gave neither, they are computed
+/// here with the matching forward kernel (same scores, same selection) into temporaries.
+status run_cpu_backward(const attention_params& p) {
+  if (p.o != nullptr && p.lse != nullptr) return cpu::fused_backward_avx2(p);
+  const std::int64_t B = p.batch, Lq = p.seqlen_q, H = p.heads, d = p.head_dim;
+  std::vector<float> o(static_cast<std::size_t>(B * Lq * H * d)), lse(static_cast<std::size_t>(B * H * Lq));
+  attention_params f = p;
+  f.o = o.data();
+  f.o_type = f.output_type = dtype::f32;
+  const std::int64_t o_stride[4] = {Lq * H * d, H * d, d, 1};
+  const std::int64_t lse_stride[3] = {H * Lq, Lq, 1};
+  std::copy(o_stride, o_stride + 4, f.o_stride);
+  f.lse = lse.data();
+  f.lse_type = dtype::f32;
+  std::copy(lse_stride, lse_stride + 3, f.lse_stride);
+  f.dq = f.dk = f.dv = f.dbias = nullptr;
+  status st = cpu::fused_forward_avx2(f);
+  if (!st.ok()) return st;
+  attention_params b = p;
+  b.o = f.o;
+  b.o_type = dtype::f32;
+  std::copy(o_stride, o_stride + 4, b.o_stride);
+  b.lse = f.lse;
+  b.lse_type = dtype::f32;
+  std::copy(lse_stride, lse_stride + 3, b.lse_stride);
+  return cpu::fused_backward_avx2(b);
+}
+
 status run_backward(const attention_params& p, const kernel_selection& s) {
   switch (s.kind) {
     case kernel_kind::reference_backward: return ref::reference_backward(p);
+    case kernel_kind::cpu_fused_backward_avx2: return run_cpu_backward(p);
     default: break;
   }
   return {status_code::internal, std::string(kBackwardOp) + ": selector chose '" + s.name +

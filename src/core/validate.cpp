@@ -431,6 +431,7 @@ status build_forward_params(const forward_args& a, const attention_config& confi
   if (c.failed()) return c.result();
 
   p.output_type = a.out.type;
+  p.o_type = a.out.type;
   p.o = a.out.data;
   copy_strides(a.out, p.o_stride, 4);
   if (a.lse.present()) {
@@ -500,6 +501,7 @@ status build_backward_params(const backward_args& a, const attention_config& con
   copy_strides(a.dout, p.dout_stride, 4);
   if (a.out.present()) {
     p.o = a.out.data;
+    p.o_type = a.out.type;
     copy_strides(a.out, p.o_stride, 4);
   }
   if (a.lse.present()) {

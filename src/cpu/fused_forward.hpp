@@ -20,6 +20,13 @@ status fused_forward_avx2(const attention_params& p) noexcept;
 /// fast path on CPUs without AVX2.
 status fused_forward_portable(const attention_params& p) noexcept;
 
+/// @brief AVX2 fused backward: dQ, dK, dV (and dBias without broadcast dimensions). Requires p.o and
+/// p.lse (the forward's output and LSE). Recomputes the scores with the AVX2 forward's micro-kernel
+/// and selection, so it keeps exactly the keys that forward kept. Parallel over (batch, kv head);
+/// the query heads of a group and all query rows accumulate into dK, dV in a fixed order, so the
+/// gradients are bitwise identical for any thread count.
+status fused_backward_avx2(const attention_params& p) noexcept;
+
 /// @brief The paper's three-stage pipeline on the CPU: (a) Q K^T with the N:M selection fused into
 /// the tile epilogue, writing compressed values, indices and (1:2, 2:4) metadata; (b) softmax over
 /// the compressed rows; (c) compressed-by-dense product with V. Writes p.compressed_* when non-null.

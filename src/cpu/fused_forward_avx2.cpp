@@ -182,6 +182,9 @@ struct workspace {
   bool risky = false;     ///< the current task can produce NaN scores (see row_epilogue)
   aligned_buffer<float> kt, vp, q, s, acc, comp_val, row_max, row_sum;
   aligned_buffer<std::int32_t> comp_idx, row_nan;
+  // Backward only: K rows, dK and dV accumulators of the (batch, kv head), the dO tile, per-row
+  // D = rowsum(dO * O) and LSE * log2(e), and the kept probabilities and scaled dS of one row tile.
+  aligned_buffer<float> kr, dk, dv, dout, row_d, row_lse2, comp_p, comp_ds;
 };
 
 template <typename T>
@@ -238,6 +241,46 @@ class fused_avx2 {
         for (std::int64_t t = 0; t < tasks; ++t)
           if (ready) task(ws, t, q_tiles);
       }
+    }
+    if (out_of_memory) throw std::bad_alloc();
+  }
+
+  /// Backward pass (see fused_backward_avx2): one task per (batch, kv head).
+  void run_backward() {
+    const std::int64_t tasks = p_.batch * p_.heads_kv;
+    const int threads = p_.num_threads > 0 ? p_.num_threads : omp_get_max_threads();
+    std::atomic<bool> out_of_memory{false};
+#pragma omp parallel num_threads(threads)
+    {
+      static thread_local workspace tls;
+      workspace& ws = tls;
+      ws.packed_b = ws.packed_hk = -1;
+      bool ready = true;
+      try {
+        const auto rows_pad = static_cast<std::size_t>((lk_pad_ + 1) * dp_);
+        ws.kt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
+        ws.vp.resize(rows_pad);
+        ws.kr.resize(rows_pad);
+        ws.dk.resize(rows_pad);
+        ws.dv.resize(rows_pad);
+        ws.q.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
+        ws.dout.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
+        ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+        ws.acc.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
+        ws.comp_val.resize(static_cast<std::size_t>(w_ + 8));
+        ws.comp_idx.resize(static_cast<std::size_t>(w_ + 8));
+        ws.comp_p.resize(static_cast<std::size_t>(w_ + 8));
+        ws.comp_ds.resize(static_cast<std::size_t>(w_ + 8));
+        ws.row_d.resize(kRowsPerTask);
+        ws.row_lse2.resize(kRowsPerTask);
+        ws.row_nan.resize(kRowsPerTask);
+      } catch (const std::bad_alloc&) {
+        ready = false;
+        out_of_memory = true;
+      }
+#pragma omp for schedule(static)
+      for (std::int64_t t = 0; t < tasks; ++t)
+        if (ready) backward_task(ws, t);
     }
     if (out_of_memory) throw std::bad_alloc();
   }
@@ -426,11 +469,8 @@ class fused_avx2 {
     }
   }
 
-  void row_epilogue(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0) {
-    const std::int64_t lim = key_limit(b, qi);
-    if (j0 >= lim) return;  // the whole tile is masked for this row
-    float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
-    const float neg_inf = -std::numeric_limits<float>::infinity();
+  /// Adds the bias to the tile row @p s of query qi and sets masked keys (j >= lim) to -inf.
+  void bias_and_mask(float* s, std::int64_t b, std::int64_t h, std::int64_t qi, std::int64_t j0, std::int64_t lim) const {
     if (p_.bias != nullptr) {
       const std::int64_t n = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
       const std::int64_t base = b * p_.bias_stride[0] + h * p_.bias_stride[1] + qi * p_.bias_stride[2];
@@ -438,17 +478,28 @@ class fused_avx2 {
         s[t] += static_cast<float>(core::load_as_double(p_.bias, p_.bias_type, base + (j0 + t) * p_.bias_stride[3]));
       }
     }
-    for (std::int64_t t = std::max<std::int64_t>(0, lim - j0); t < w_; ++t) s[t] = neg_inf;
+    for (std::int64_t t = std::max<std::int64_t>(0, lim - j0); t < w_; ++t) s[t] = -std::numeric_limits<float>::infinity();
+  }
+
+  /// Whether the tile row @p s holds a NaN score.
+  bool row_has_nan(const float* s) const {
+    __m256 vnan = _mm256_setzero_ps();
+    for (int t = 0; t < w_; t += 8) {
+      const __m256 x = _mm256_load_ps(s + t);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    return _mm256_movemask_ps(vnan) != 0;
+  }
+
+  void row_epilogue(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0) {
+    const std::int64_t lim = key_limit(b, qi);
+    if (j0 >= lim) return;  // the whole tile is masked for this row
+    float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    bias_and_mask(s, b, h, qi, j0, lim);
 
     // A NaN score can only come from non-finite or huge inputs (flagged while packing) or a bias.
-    if (ws.risky) {
-      __m256 vnan = _mm256_setzero_ps();
-      for (int t = 0; t < w_; t += 8) {
-        const __m256 x = _mm256_load_ps(s + t);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-      }
-      if (_mm256_movemask_ps(vnan) != 0) ws.row_nan[static_cast<std::size_t>(i)] = 1;
-    }
+    if (ws.risky && row_has_nan(s)) ws.row_nan[static_cast<std::size_t>(i)] = 1;
 
     // Selection and compaction; the maximum over the kept scores is the tile's maximum.
     float* cv = ws.comp_val.ptr;
@@ -547,6 +598,146 @@ class fused_avx2 {
             _mm256_store_ps(acc + c0 + 8 * r, _mm256_fmadd_ps(pj, _mm256_load_ps(v + 8 * r), _mm256_load_ps(acc + c0 + 8 * r)));
           }
         }
+      }
+    }
+  }
+
+  void backward_task(workspace& ws, std::int64_t t) {
+    const std::int64_t b = t / p_.heads_kv, hk = t % p_.heads_kv;
+    pack_head(ws, b, hk);
+    for (std::int64_t j = 0; j <= lk_pad_; ++j) load_row(p_.k, p_.k_stride, b, j, hk, j < p_.seqlen_k, ws.kr.ptr + j * dp_);
+    std::fill(ws.dk.ptr, ws.dk.ptr + (lk_pad_ + 1) * dp_, 0.0f);
+    std::fill(ws.dv.ptr, ws.dv.ptr + (lk_pad_ + 1) * dp_, 0.0f);
+    bool head_nan = false;
+    const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
+    for (std::int64_t h = hk * group_; h < (hk + 1) * group_; ++h) {
+      for (std::int64_t qt = 0; qt < q_tiles; ++qt) head_nan |= backward_tile(ws, b, h, qt * kRowsPerTask);
+    }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
+      for (int c = 0; c < d_; ++c) {
+        const std::int64_t at = j * dp_ + c;
+        core::store_from_double(p_.dk, p_.output_type, core::offset4(p_.dk_stride, b, j, hk, c),
+                                static_cast<double>(head_nan ? nan : ws.dk.ptr[at]));
+        core::store_from_double(p_.dv, p_.output_type, core::offset4(p_.dv_stride, b, j, hk, c),
+                                static_cast<double>(head_nan ? nan : ws.dv.ptr[at]));
+      }
+    }
+  }
+
+  /// Query rows i0 .. i0 + 31 of head h: dQ written, dK and dV accumulated. Returns whether a NaN
+  /// score was met (the caller then marks the whole kv head's dK and dV NaN, as a NaN reaches every
+  /// key's gradient in dense attention too).
+  bool backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0) {
+    const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
+    const int rows4 = (rows + 3) / 4 * 4;
+    float* q = ws.q.ptr;
+    float* dout = ws.dout.ptr;
+    std::int64_t tile_end = 0;
+    for (int i = 0; i < rows4; ++i) {
+      load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
+      load_row(p_.dout, p_.dout_stride, b, i0 + i, h, i < rows, dout + i * dp_);
+    }
+    for (int i = 0; i < rows; ++i) {
+      float dsum = 0.0f;
+      for (int c = 0; c < d_; ++c) {
+        dsum += dout[i * dp_ + c] *
+                static_cast<float>(core::load_as_double(p_.o, p_.o_type, core::offset4(p_.o_stride, b, i0 + i, h, c)));
+      }
+      ws.row_d.ptr[i] = dsum;
+      const auto lse = static_cast<float>(core::load_as_double(
+          p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2]));
+      ws.row_lse2.ptr[i] = lse * kLog2e;
+      ws.row_nan.ptr[i] = lse != lse ? 1 : 0;
+      tile_end = std::max(tile_end, key_limit(b, i0 + i));
+    }
+    std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
+    if (p_.dbias != nullptr) {
+      for (int i = 0; i < rows; ++i) {
+        for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
+          core::store_from_double(p_.dbias, p_.bias_type,
+                                  b * p_.dbias_stride[0] + h * p_.dbias_stride[1] + (i0 + i) * p_.dbias_stride[2] +
+                                      j * p_.dbias_stride[3],
+                                  0.0);
+        }
+      }
+    }
+    for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
+      for (int i = 0; i < rows4; i += 4) {
+        for (int jb = 0; jb < w_; jb += 16) {
+          microkernel_4x16(q + i * dp_, dp_, ws.kt.ptr + ((j0 + jb) / 16) * dp_ * 16, dp_, ws.s.ptr + i * w_ + jb, w_);
+        }
+      }
+      for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0);
+    }
+    bool any_nan = false;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int i = 0; i < rows; ++i) {
+      const bool is_nan = ws.row_nan.ptr[i] != 0;
+      any_nan |= is_nan;
+      for (int c = 0; c < d_; ++c) {
+        core::store_from_double(p_.dq, p_.output_type, core::offset4(p_.dq_stride, b, i0 + i, h, c),
+                                static_cast<double>(is_nan ? nan : ws.acc.ptr[i * dp_ + c]));
+      }
+    }
+    return any_nan;
+  }
+
+  /// One row against one key tile: the forward's scores and selection, then
+  /// P = exp(scale * S - LSE), dS = P (dO . V - D), dQ += scale dS K, dK += scale dS q, dV += P dO.
+  void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0) {
+    const std::int64_t lim = key_limit(b, qi);
+    const float lse2 = ws.row_lse2.ptr[i];
+    if (j0 >= lim || lse2 == -std::numeric_limits<float>::infinity() || ws.row_nan.ptr[i] != 0) return;
+    float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+    bias_and_mask(s, b, h, qi, j0, lim);
+    if (row_has_nan(s)) {
+      ws.row_nan.ptr[i] = 1;
+      return;
+    }
+    float* cv = ws.comp_val.ptr;
+    std::int32_t* ci = ws.comp_idx.ptr;
+    float* cp = ws.comp_p.ptr;
+    float* cds = ws.comp_ds.ptr;
+    float tile_max = 0.0f;
+    const int kept = compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max);
+    const float* dout = ws.dout.ptr + static_cast<std::int64_t>(i) * dp_;
+    const float* qrow = ws.q.ptr + static_cast<std::int64_t>(i) * dp_;
+    const float d_row = ws.row_d.ptr[i];
+    const float scale = static_cast<float>(p_.scale);
+    const __m256 vc = _mm256_set1_ps(c_), vlse = _mm256_set1_ps(lse2);
+    for (int t = 0; t < kept; t += 8) {
+      // P of 8 kept keys (masked slots: exp2(-inf) = 0), and dO . V for each of them.
+      const __m256 pv = exp2_avx2(_mm256_fmsub_ps(_mm256_load_ps(cv + t), vc, vlse));
+      alignas(32) float dpv[8];
+      for (int k = 0; k < 8; ++k) {
+        const float* v = ws.vp.ptr + static_cast<std::int64_t>(ci[t + k]) * dp_;
+        __m256 a = _mm256_setzero_ps();
+        for (int c = 0; c < dp_; c += 8) a = _mm256_fmadd_ps(_mm256_load_ps(dout + c), _mm256_load_ps(v + c), a);
+        dpv[k] = hsum(a);
+      }
+      const __m256 ds = _mm256_mul_ps(pv, _mm256_sub_ps(_mm256_load_ps(dpv), _mm256_set1_ps(d_row)));
+      _mm256_store_ps(cp + t, pv);
+      _mm256_store_ps(cds + t, _mm256_mul_ps(_mm256_set1_ps(scale), ds));
+    }
+    float* dq = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
+    for (int t = 0; t < kept; ++t) {
+      if (cp[t] == 0.0f) continue;  // masked, or underflowed: no contribution
+      const std::int64_t j = ci[t];
+      const __m256 sds = _mm256_set1_ps(cds[t]), pj = _mm256_set1_ps(cp[t]);
+      const float* krow = ws.kr.ptr + j * dp_;
+      float* dkrow = ws.dk.ptr + j * dp_;
+      float* dvrow = ws.dv.ptr + j * dp_;
+      for (int c = 0; c < dp_; c += 8) {
+        _mm256_store_ps(dq + c, _mm256_fmadd_ps(sds, _mm256_load_ps(krow + c), _mm256_load_ps(dq + c)));
+        _mm256_store_ps(dkrow + c, _mm256_fmadd_ps(sds, _mm256_load_ps(qrow + c), _mm256_load_ps(dkrow + c)));
+        _mm256_store_ps(dvrow + c, _mm256_fmadd_ps(pj, _mm256_load_ps(dout + c), _mm256_load_ps(dvrow + c)));
+      }
+      if (p_.dbias != nullptr) {
+        core::store_from_double(p_.dbias, p_.bias_type,
+                                b * p_.dbias_stride[0] + h * p_.dbias_stride[1] + qi * p_.dbias_stride[2] +
+                                    j * p_.dbias_stride[3],
+                                static_cast<double>(cds[t]));
       }
     }
   }
@@ -672,7 +863,33 @@ status fused_forward_avx2(const attention_params& p) noexcept {
 #pragma GCC pop_options
 namespace dfss::cpu {
 
+status fused_backward_avx2(const attention_params& p) noexcept {
+  const std::int64_t dp = (p.head_dim + 7) / 8 * 8;
+  if ((p.seqlen_k + kMaxKeyTile + 1) * dp > std::numeric_limits<std::int32_t>::max()) {
+    return {status_code::unsupported, "dfss cpu avx2 backward: more than 2^31 packed key elements per head"};
+  }
+  if (p.o == nullptr || p.lse == nullptr) {
+    return {status_code::internal, "dfss cpu avx2 backward: called without the forward's output and LSE"};
+  }
+  try {
+    switch (p.input_type) {
+      case dtype::f32: fused_avx2<float>(p).run_backward(); break;
+      case dtype::f16: fused_avx2<half>(p).run_backward(); break;
+      case dtype::bf16: fused_avx2<bfloat16>(p).run_backward(); break;
+      default:
+        return {status_code::unsupported, std::string("dfss cpu avx2 backward: input type ") + dtype_name(p.input_type)};
+    }
+  } catch (const std::bad_alloc&) {
+    return {status_code::internal, "dfss cpu avx2 backward: out of memory for the packed keys and values"};
+  }
+  return status::success();
+}
+
 #else
+
+status fused_backward_avx2(const attention_params&) noexcept {
+  return {status_code::unsupported, "dfss cpu avx2 backward: this build has no AVX2 kernels"};
+}
 
 status fused_forward_avx2(const attention_params&) noexcept {
   return {status_code::unsupported, "dfss cpu avx2 fused forward: this build has no AVX2 kernels"};

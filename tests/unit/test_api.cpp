@@ -280,11 +280,16 @@ TEST(Api, SelectorAnswersSupportAndWhatRuns) {
   expect_error([&] { attention_forward(fx.f, cfg); }, status_code::unsupported, {"backend 'cuda'", "CUDA"});
   const status st = try_attention_forward(fx.f, cfg);
   EXPECT_EQ(st.code, status_code::unsupported);
-  // Backward: automatic falls back to the reference; cpu says why it cannot.
+  // Backward: a dbias broadcast over the batch is not a cpu case, so automatic falls back to the
+  // reference and cpu says why; without dbias the cpu backward runs where AVX2 is available.
   cfg.backend = backend::automatic;
   EXPECT_EQ(select_kernel(fx.bw, cfg).name, "reference.backward");
   cfg.backend = backend::cpu;
-  EXPECT_FALSE(select_kernel(fx.bw, cfg).supported());
+  s = select_kernel(fx.bw, cfg);
+  EXPECT_FALSE(s.supported());
+  EXPECT_NE(s.reason.find(avx2 ? "dbias" : "AVX2"), std::string::npos) << s.reason;
+  fx.bw.dbias = tensor_view{};
+  EXPECT_EQ(select_kernel(fx.bw, cfg).supported(), avx2);
   // f64 runs on the reference only.
   std::vector<double> q(fx.q.size()), k(fx.k.size()), o(fx.o.size());
   forward_args a;

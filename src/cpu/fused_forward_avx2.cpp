@@ -184,7 +184,7 @@ struct workspace {
   aligned_buffer<std::int32_t> comp_idx, row_nan;
   // Backward only: K rows, dK and dV accumulators of the (batch, kv head), the dO tile, per-row
   // D = rowsum(dO * O) and LSE * log2(e), and the kept probabilities and scaled dS of one row tile.
-  aligned_buffer<float> kr, dk, dv, dout, row_d, row_lse2, comp_p, comp_ds;
+  aligned_buffer<float> kr, dk, dv, dout, row_d, row_lse2, comp_p, comp_ds, vt, dps;
 };
 
 template <typename T>
@@ -259,6 +259,8 @@ class fused_avx2 {
       try {
         const auto rows_pad = static_cast<std::size_t>((lk_pad_ + 1) * dp_);
         ws.kt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
+        ws.vt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
+        ws.dps.resize(static_cast<std::size_t>(kRowsPerTask * w_));
         ws.vp.resize(rows_pad);
         ws.kr.resize(rows_pad);
         ws.dk.resize(rows_pad);
@@ -606,6 +608,14 @@ class fused_avx2 {
     const std::int64_t b = t / p_.heads_kv, hk = t % p_.heads_kv;
     pack_head(ws, b, hk);
     for (std::int64_t j = 0; j <= lk_pad_; ++j) load_row(p_.k, p_.k_stride, b, j, hk, j < p_.seqlen_k, ws.kr.ptr + j * dp_);
+    // V^T in 16-key panels like K, so that dP = dO V^T runs on the same micro-kernel as S = Q K^T.
+    for (std::int64_t blk = 0; blk < lk_pad_ / 16; ++blk) {
+      float* panel = ws.vt.ptr + blk * dp_ * 16;
+      for (int key = 0; key < 16; ++key) {
+        const float* row = ws.vp.ptr + (blk * 16 + key) * dp_;
+        for (int c = 0; c < dp_; ++c) panel[c * 16 + key] = row[c];
+      }
+    }
     std::fill(ws.dk.ptr, ws.dk.ptr + (lk_pad_ + 1) * dp_, 0.0f);
     std::fill(ws.dv.ptr, ws.dv.ptr + (lk_pad_ + 1) * dp_, 0.0f);
     bool head_nan = false;
@@ -665,7 +675,9 @@ class fused_avx2 {
     for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
       for (int i = 0; i < rows4; i += 4) {
         for (int jb = 0; jb < w_; jb += 16) {
-          microkernel_4x16(q + i * dp_, dp_, ws.kt.ptr + ((j0 + jb) / 16) * dp_ * 16, dp_, ws.s.ptr + i * w_ + jb, w_);
+          const std::int64_t panel = ((j0 + jb) / 16) * dp_ * 16;
+          microkernel_4x16(q + i * dp_, dp_, ws.kt.ptr + panel, dp_, ws.s.ptr + i * w_ + jb, w_);
+          microkernel_4x16(dout + i * dp_, dp_, ws.vt.ptr + panel, dp_, ws.dps.ptr + i * w_ + jb, w_);
         }
       }
       for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0);
@@ -706,30 +718,41 @@ class fused_avx2 {
     const float d_row = ws.row_d.ptr[i];
     const float scale = static_cast<float>(p_.scale);
     const __m256 vc = _mm256_set1_ps(c_), vlse = _mm256_set1_ps(lse2);
+    const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
+    const __m256i vj0 = _mm256_set1_epi32(static_cast<std::int32_t>(j0)), vlast = _mm256_set1_epi32(w_ - 1);
     for (int t = 0; t < kept; t += 8) {
-      // P of 8 kept keys (masked slots: exp2(-inf) = 0), and dO . V for each of them.
+      // P of 8 kept keys (masked slots: exp2(-inf) = 0) and their dO . V from the dP tile (padding
+      // slots point past the tile: clamped, their P is 0).
       const __m256 pv = exp2_avx2(_mm256_fmsub_ps(_mm256_load_ps(cv + t), vc, vlse));
-      alignas(32) float dpv[8];
-      for (int k = 0; k < 8; ++k) {
-        const float* v = ws.vp.ptr + static_cast<std::int64_t>(ci[t + k]) * dp_;
-        __m256 a = _mm256_setzero_ps();
-        for (int c = 0; c < dp_; c += 8) a = _mm256_fmadd_ps(_mm256_load_ps(dout + c), _mm256_load_ps(v + c), a);
-        dpv[k] = hsum(a);
-      }
-      const __m256 ds = _mm256_mul_ps(pv, _mm256_sub_ps(_mm256_load_ps(dpv), _mm256_set1_ps(d_row)));
+      const __m256i local = _mm256_min_epi32(
+          _mm256_sub_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t)), vj0), vlast);
+      const __m256 dpv = _mm256_i32gather_ps(dp_row, local, 4);
+      const __m256 ds = _mm256_mul_ps(pv, _mm256_sub_ps(dpv, _mm256_set1_ps(d_row)));
       _mm256_store_ps(cp + t, pv);
       _mm256_store_ps(cds + t, _mm256_mul_ps(_mm256_set1_ps(scale), ds));
     }
     float* dq = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
+    // dQ += scale dS K over the kept keys, the dQ row held in registers (64 columns at a time).
+    for (int c0 = 0; c0 < dp_; c0 += 64) {
+      const int nv = std::min(8, (dp_ - c0) / 8);
+      __m256 a[8];
+      for (int r = 0; r < nv; ++r) a[r] = _mm256_load_ps(dq + c0 + 8 * r);
+      for (int t = 0; t < kept; ++t) {
+        if (cp[t] == 0.0f) continue;  // masked, or underflowed: no contribution
+        const __m256 sds = _mm256_set1_ps(cds[t]);
+        const float* krow = ws.kr.ptr + static_cast<std::int64_t>(ci[t]) * dp_ + c0;
+        for (int r = 0; r < nv; ++r) a[r] = _mm256_fmadd_ps(sds, _mm256_load_ps(krow + 8 * r), a[r]);
+      }
+      for (int r = 0; r < nv; ++r) _mm256_store_ps(dq + c0 + 8 * r, a[r]);
+    }
+    // dK += scale dS^T q and dV += P^T dO for the kept keys (accumulated in the task's buffers).
     for (int t = 0; t < kept; ++t) {
-      if (cp[t] == 0.0f) continue;  // masked, or underflowed: no contribution
+      if (cp[t] == 0.0f) continue;
       const std::int64_t j = ci[t];
       const __m256 sds = _mm256_set1_ps(cds[t]), pj = _mm256_set1_ps(cp[t]);
-      const float* krow = ws.kr.ptr + j * dp_;
       float* dkrow = ws.dk.ptr + j * dp_;
       float* dvrow = ws.dv.ptr + j * dp_;
       for (int c = 0; c < dp_; c += 8) {
-        _mm256_store_ps(dq + c, _mm256_fmadd_ps(sds, _mm256_load_ps(krow + c), _mm256_load_ps(dq + c)));
         _mm256_store_ps(dkrow + c, _mm256_fmadd_ps(sds, _mm256_load_ps(qrow + c), _mm256_load_ps(dkrow + c)));
         _mm256_store_ps(dvrow + c, _mm256_fmadd_ps(pj, _mm256_load_ps(dout + c), _mm256_load_ps(dvrow + c)));
       }

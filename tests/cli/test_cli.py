@@ -164,6 +164,26 @@ class CliTest(unittest.TestCase):
         self.assertLessEqual(rel_err(np.load(self.path("dv.npy")), dv), 1e-12)
         self.assertLessEqual(rel_err(np.load(self.path("db.npy")), dbias.sum(axis=(0, 1))), 1e-12)
 
+    def test_float32_backward_uses_the_fast_backend(self):
+        # Small-integer inputs: exact scores, so the fast CPU backward keeps the fp64 selection and
+        # only fp32 rounding separates it from the NumPy gradients.
+        rng = self.rng
+        q = rng.integers(-3, 4, (2, 9, 4, 8)).astype(np.float32)
+        k = rng.integers(-3, 4, (2, 13, 2, 8)).astype(np.float32)
+        v = rng.integers(-3, 4, (2, 13, 2, 8)).astype(np.float32)
+        dout = rng.integers(-3, 4, q.shape).astype(np.float32)
+        r = self.run_dfss("attention", "--q", self.save("q.npy", q), "--k", self.save("k.npy", k),
+                          "--v", self.save("v.npy", v), "--pattern", "2:4", "--causal", "--out", self.path("o.npy"),
+                          "--dout", self.save("do.npy", dout), "--dq", self.path("dq.npy"),
+                          "--dk", self.path("dk.npy"), "--dv", self.path("dv.npy"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        dq, dk, dv, _ = semantics_backward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                           dout.astype(np.float64), 2, 4, causal=True)
+        for name, want in (("dq", dq), ("dk", dk), ("dv", dv)):
+            got = np.load(self.path(name + ".npy"))
+            self.assertEqual(got.dtype, np.float32)
+            self.assertLessEqual(rel_err(got, want), 1e-4, name)
+
     def test_float32_and_float16_inputs_write_float32(self):
         for dt, tol in ((np.float32, 1e-4), (np.float16, 1e-4)):
             with self.subTest(dtype=dt):

@@ -18,9 +18,18 @@ takes about `budget` seconds (never fewer than 3 timed calls), as dfss bench doe
 The error column is the max abs difference to the same method computed in float64 on the first
 `ref_rows` query rows of every head.
 
+--mode backward (dfss bench --backward): every timed call is forward + backward through autograd:
+q, k, v are leaf tensors with requires_grad, their .grad is set to None before each call (as
+optimizer.zero_grad(set_to_none=True) does), then O = method(q, k, v) and O.backward(dO) with a fixed
+standard normal dO. Both methods run under autograd (torch 1.13's private SDPA has a math autograd
+path). The error column is then the max abs difference of dQ, dK, dV to float64 autograd of the
+explicit math (softmax(q k^T * scale) v), computed on a reduced problem of L = min(L, --ref-length)
+(default 256) with the same B, H, d, seeded inputs, because dK and dV depend on every query row.
+
 Usage (normally invoked by dfss bench):
   OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 \
       python3 tools/bench/torch_attention.py --lengths 512,1024 --threads 2
+  python3 tools/bench/torch_attention.py --lengths 512 --threads 2 --mode backward
   python3 tools/bench/torch_attention.py --probe      # version information only
 """
 import argparse
@@ -54,6 +63,10 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=2023)
     ap.add_argument("--ref-rows", type=int, default=32)
     ap.add_argument("--methods", default="bmm,sdpa")
+    ap.add_argument("--mode", default="forward", choices=["forward", "backward"],
+                    help="forward: forward calls; backward: forward + backward through autograd")
+    ap.add_argument("--ref-length", type=int, default=256,
+                    help="--mode backward: L of the reduced problem the gradient error is computed on")
     return ap.parse_args(argv)
 
 
@@ -86,6 +99,7 @@ def main(argv):
 
     torch.set_num_threads(args.threads)
     info["torch_threads"] = torch.get_num_threads()
+    info["mode"] = args.mode
     gen = torch.Generator().manual_seed(args.seed)
     lengths = [int(x) for x in args.lengths.split(",") if x]
     methods = [m for m in args.methods.split(",") if m]
@@ -109,6 +123,12 @@ def main(argv):
     else:
         sdpa = None
         sdpa_label = "sdpa"
+
+    if args.mode == "backward":
+        info["results"] = run_backward(torch, args, lengths, methods, B, H, d, scale, bmm_attention, sdpa,
+                                       sdpa_label)
+        emit(info)
+        return 0
 
     results = []
     with torch.inference_mode():
@@ -166,6 +186,88 @@ def main(argv):
     info["results"] = results
     emit(info)
     return 0
+
+
+def run_backward(torch, args, lengths, methods, B, H, d, scale, bmm_attention, sdpa, sdpa_label):
+    """--mode backward: forward + backward through autograd, timed together; see the module docstring."""
+
+    def bmm_leaves(q, k, v):  # leaves [B, H, L, d] -> the bmm layout [B*H, L, d] (views, differentiable)
+        L = q.shape[2]
+        return q.reshape(B * H, L, d), k.reshape(B * H, L, d), v.reshape(B * H, L, d)
+
+    def same(q, k, v):
+        return q, k, v
+
+    def leaves_of(L, gen, dtype):
+        ts = [torch.randn(B, H, L, d, generator=gen, dtype=torch.float32).to(dtype) for _ in range(4)]
+        for t in ts[:3]:
+            t.requires_grad_(True)
+        return ts  # q, k, v, dO
+
+    def fwd_bwd(fn, layout, q, k, v, dout):
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(*layout(q, k, v))
+        out.backward(dout.reshape(out.shape))
+
+    def grad_error(fn, layout, L):
+        # The reduced problem: fp32 gradients of the method against float64 autograd of the math.
+        gen = torch.Generator().manual_seed(args.seed + L)
+        q, k, v, dout = leaves_of(L, gen, torch.float32)
+        fwd_bwd(fn, layout, q, k, v, dout)
+        got = [t.grad.double() for t in (q, k, v)]
+        qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        ref = torch.softmax(torch.matmul(qd, kd.transpose(-1, -2)) * scale, dim=-1) @ vd
+        ref.backward(dout.double())
+        want = [qd.grad, kd.grad, vd.grad]
+        return max(float((g - w).abs().max()) for g, w in zip(got, want))
+
+    gen = torch.Generator().manual_seed(args.seed)
+    results = []
+    with torch.enable_grad():
+        for L in lengths:
+            q, k, v, dout = leaves_of(L, gen, torch.float32)
+            Le = min(args.ref_length, L)
+            for method in methods:
+                row = {"B": B, "H": H, "L": L, "d": d, "ref_length": Le}
+                if method == "bmm":
+                    row["method"] = "bmm+softmax+bmm"
+                    fn, layout = bmm_attention, bmm_leaves
+                elif method == "sdpa":
+                    row["method"] = sdpa_label
+                    if sdpa is None:
+                        row["error"] = "torch %s has no scaled_dot_product_attention" % torch.__version__
+                        results.append(row)
+                        continue
+                    fn, layout = sdpa, same
+                else:
+                    row["method"] = method
+                    row["error"] = "unknown method"
+                    results.append(row)
+                    continue
+                try:
+                    t0 = time.perf_counter()
+                    fwd_bwd(fn, layout, q, k, v, dout)
+                    first = time.perf_counter() - t0
+                    warmup = args.warmup if first < 1.0 else 1
+                    for _ in range(warmup - 1):
+                        fwd_bwd(fn, layout, q, k, v, dout)
+                    iters = args.iters
+                    if first * iters > args.budget:
+                        iters = max(3, int(args.budget / max(first, 1e-9)))
+                    ms = []
+                    for _ in range(iters):
+                        t0 = time.perf_counter()
+                        fwd_bwd(fn, layout, q, k, v, dout)
+                        ms.append((time.perf_counter() - t0) * 1e3)
+                    row.update({
+                        "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
+                        "iters": iters, "max_err": grad_error(fn, layout, Le) if args.ref_rows > 0 else None,
+                    })
+                except Exception as e:  # noqa: BLE001 - report, keep going
+                    row["error"] = "%s: %s" % (type(e).__name__, e)
+                results.append(row)
+    return results
 
 
 if __name__ == "__main__":

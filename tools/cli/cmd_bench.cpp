@@ -15,6 +15,15 @@
 // are timed round-robin (one call of each in turn) so that the noise of a shared machine falls on
 // all of them alike.
 //
+// `dfss bench --backward` makes the same table for training: every dfss row times one forward call
+// (writing O and LSE) followed by one backward call (given O, LSE and a fixed random dO), fused
+// algorithm only (the three-stage pipeline has no backward); the torch peers time forward + backward
+// through autograd. GFLOP/s counts 4 Lq Lk d (forward) + 10 Lq Lk d (backward: S recomputed, dP, dV,
+// dQ, dK) = 14 Lq Lk d per head, dense-equivalent; the speedup is against dfss dense fused forward +
+// backward; the error is max |dQ, dK, dV - fp64 reference backward| over all elements of a reduced
+// problem of L = min(L, 256) with the same settings (dK and dV depend on every query row, so a slice of
+// Q does not give their reference). The default lengths are 512, 1024, 2048.
+//
 // `dfss bench --memory` runs one forward call per row in a child process (this binary re-executed
 // with the hidden --memory-child option) and reports ru_maxrss, so that the memory growth with L of
 // the fused forward (linear: no L x L buffer) is visible next to what a score matrix would need.
@@ -85,6 +94,10 @@ struct bench_options {
 };
 
 bench_options g_opt;
+CLI::Option* g_lengths_option = nullptr;  // to tell a given --lengths from the default
+
+/// --backward: the gradient error is computed on a problem of this length (or L when shorter).
+constexpr long long kBackwardRefLength = 256;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -452,8 +465,12 @@ struct row {
   double gflops = kNaN, speedup = kNaN, max_err = kNaN;
 };
 
+/// Dense-equivalent flops per head and Lq Lk d: 4 for a forward call (Q K^T and P V), 14 for forward +
+/// backward (--backward: the backward recomputes Q K^T and computes dO V^T, P^T dO, dS K, dS^T Q).
+double flops_factor() { return g_opt.backward ? 14.0 : 4.0; }
+
 double attention_flops(long long B, long long H, long long L, long long d) {
-  return 4.0 * static_cast<double>(B) * static_cast<double>(H) * static_cast<double>(L) *
+  return flops_factor() * static_cast<double>(B) * static_cast<double>(H) * static_cast<double>(L) *
          static_cast<double>(L) * static_cast<double>(d);
 }
 
@@ -611,9 +628,102 @@ struct run_state {
   row r;
   attention_config cfg;
   std::vector<float> out;
+  std::vector<float> lse, dq, dk, dv;  // --backward
   std::vector<double> ms;
   int target = 0;
 };
+
+/// --backward: the backward arguments of one configuration (its outputs, the forward's O and LSE).
+backward_args make_backward_args(const forward_args& a, run_state& s, const tensor_view& dout,
+                                 std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t d) {
+  backward_args b;
+  b.q = a.q;
+  b.k = a.k;
+  b.v = a.v;
+  b.out = make_view(s.out.data(), {B, L, H, d});
+  b.lse = make_view(s.lse.data(), {B, H, L});
+  b.dout = dout;
+  b.dq = make_view(s.dq.data(), {B, L, H, d});
+  b.dk = make_view(s.dk.data(), {B, L, H, d});
+  b.dv = make_view(s.dv.data(), {B, L, H, d});
+  return b;
+}
+
+/// One timed unit of a configuration: the forward call, then with --backward the backward call.
+status call_once(forward_args& a, run_state& s, const tensor_view& dout, std::int64_t B, std::int64_t L,
+                 std::int64_t H, std::int64_t d) {
+  a.out = make_view(s.out.data(), {B, L, H, d});
+  if (!g_opt.backward) return try_attention_forward(a, s.cfg);
+  a.lse = make_view(s.lse.data(), {B, H, L});
+  const status st = try_attention_forward(a, s.cfg);
+  if (!st.ok()) return st;
+  return try_attention_backward(make_backward_args(a, s, dout, B, L, H, d), s.cfg);
+}
+
+/// --backward: max |dQ, dK, dV - fp64 reference| over every element, on the problem of length
+/// Le = min(L, kBackwardRefLength) with the same B, H, d, dtype, seed convention and configuration
+/// (at L = Le these are the timed row's own inputs). Cached per (pattern, ISA, Le).
+double backward_max_error(const attention_config& cfg, long long L, dtype type) {
+  static std::map<std::string, double> cache;
+  const std::int64_t B = g_opt.batch, H = g_opt.heads, d = g_opt.head_dim;
+  const std::int64_t Le = std::min(L, kBackwardRefLength);
+  const std::string key = cfg.pattern.str() + "|" + std::to_string(static_cast<int>(cfg.cpu_isa)) + "|" +
+                          std::to_string(Le);
+  if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  std::fprintf(stderr, "  L=%lld %s: gradient error vs fp64 reference backward at L=%lld\n", L,
+               cfg.pattern.str().c_str(), static_cast<long long>(Le));
+  const auto n = static_cast<std::size_t>(B * Le * H * d);
+  std::mt19937_64 rng(g_opt.seed + static_cast<unsigned long long>(Le));
+  input_tensor q, k, v, dout;
+  q.fill(n, type, rng);
+  k.fill(n, type, rng);
+  v.fill(n, type, rng);
+  dout.fill(n, type, rng);
+  run_state s;
+  s.cfg = cfg;
+  s.out.assign(n, 0.0f);
+  s.lse.assign(static_cast<std::size_t>(B * H * Le), 0.0f);
+  s.dq.assign(n, 0.0f);
+  s.dk.assign(n, 0.0f);
+  s.dv.assign(n, 0.0f);
+  forward_args a;
+  a.q = q.view(B, Le, H, d);
+  a.k = k.view(B, Le, H, d);
+  a.v = v.view(B, Le, H, d);
+  const status st = call_once(a, s, dout.view(B, Le, H, d), B, Le, H, d);
+  if (!st.ok()) return kNaN;
+
+  std::vector<double> qd(n), kd(n), vd(n), dod(n), dqd(n, 0.0), dkd(n, 0.0), dvd(n, 0.0);
+  for (std::size_t i = 0; i < n; ++i) {
+    qd[i] = q.at(i);
+    kd[i] = k.at(i);
+    vd[i] = v.at(i);
+    dod[i] = dout.at(i);
+  }
+  backward_args rb;  // O and LSE are recomputed by the reference
+  rb.q = make_view(qd.data(), {B, Le, H, d});
+  rb.k = make_view(kd.data(), {B, Le, H, d});
+  rb.v = make_view(vd.data(), {B, Le, H, d});
+  rb.dout = make_view(dod.data(), {B, Le, H, d});
+  rb.dq = make_view(dqd.data(), {B, Le, H, d});
+  rb.dk = make_view(dkd.data(), {B, Le, H, d});
+  rb.dv = make_view(dvd.data(), {B, Le, H, d});
+  attention_config rc = cfg;
+  rc.backend = backend::reference;
+  attention_backward(rb, rc);
+  double err = 0;
+  auto compare = [&err](const std::vector<float>& got, const std::vector<double>& want) {
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const double e = std::fabs(static_cast<double>(got[i]) - want[i]);
+      err = (std::isnan(e) || e > err) ? e : err;
+    }
+  };
+  compare(s.dq, dqd);
+  compare(s.dk, dkd);
+  compare(s.dv, dvd);
+  cache.emplace(key, err);
+  return err;
+}
 
 void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result& sg) {
   const std::int64_t B = g_opt.batch, H = g_opt.heads, d = g_opt.head_dim;
@@ -623,6 +733,12 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   q.fill(n, type, rng);
   k.fill(n, type, rng);
   v.fill(n, type, rng);
+  input_tensor dout;  // --backward: dO, standard normal
+  tensor_view dout_view;
+  if (g_opt.backward) {
+    dout.fill(n, type, rng);
+    dout_view = dout.view(B, L, H, d);
+  }
   forward_args a;
   a.q = q.view(B, L, H, d);
   a.k = k.view(B, L, H, d);
@@ -637,7 +753,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
       for (const auto& alg : g_opt.algorithms) {
         const cpu_algorithm algorithm = parse_cpu_algorithm_arg(alg);
         const pattern p = pattern::parse(pat, "--patterns");
-        if (algorithm == cpu_algorithm::three_stage && (p.is_dense() || ii > 0)) continue;
+        if (algorithm == cpu_algorithm::three_stage && (p.is_dense() || ii > 0 || g_opt.backward)) continue;
         auto s = std::make_unique<run_state>();
         s->cfg.pattern = p;
         s->cfg.backend = backend::cpu;
@@ -661,7 +777,24 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   for (auto& s : runs) {
     s->out.assign(n, 0.0f);
     a.out = make_view(s->out.data(), {B, L, H, d});
-    const kernel_selection sel = select_kernel(a, s->cfg);
+    kernel_selection sel = select_kernel(a, s->cfg);
+    if (g_opt.backward) {
+      // The kernel column names both calls: "forward kernel+backward kernel".
+      s->lse.assign(static_cast<std::size_t>(B * H * L), 0.0f);
+      s->dq.assign(n, 0.0f);
+      s->dk.assign(n, 0.0f);
+      s->dv.assign(n, 0.0f);
+      a.lse = make_view(s->lse.data(), {B, H, L});
+      if (sel.supported()) {
+        const kernel_selection bsel = select_kernel(make_backward_args(a, *s, dout_view, B, L, H, d), s->cfg);
+        if (bsel.supported()) {
+          sel.name += "+" + bsel.name;
+        } else {
+          sel.kind = kernel_kind::none;
+          sel.reason = "backward: " + bsel.reason;
+        }
+      }
+    }
     s->r.kernel = sel.supported() ? sel.name : "-";
     if (!sel.supported()) {
       s->r.reason = sel.reason;
@@ -670,14 +803,14 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     std::fprintf(stderr, "  L=%lld %s %s (%s): warmup\n", L, s->r.pattern.c_str(), s->r.algorithm.c_str(),
                  s->r.kernel.c_str());
     const auto t0 = std::chrono::steady_clock::now();
-    const status st = try_attention_forward(a, s->cfg);
+    const status st = call_once(a, *s, dout_view, B, L, H, d);
     const double first = elapsed_ms(t0);
     if (!st.ok()) {
       s->r.reason = st.message;
       continue;
     }
     const int warmup = first > 1000.0 ? 1 : g_opt.warmup;
-    for (int i = 1; i < warmup; ++i) try_attention_forward(a, s->cfg);
+    for (int i = 1; i < warmup; ++i) call_once(a, *s, dout_view, B, L, H, d);
     s->target = timed_iterations(first);
     s->r.ok = true;
   }
@@ -688,9 +821,8 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     for (auto& s : runs) {
       if (!s->r.ok || it >= s->target) continue;
       any = true;
-      a.out = make_view(s->out.data(), {B, L, H, d});
       const auto t0 = std::chrono::steady_clock::now();
-      const status st = try_attention_forward(a, s->cfg);
+      const status st = call_once(a, *s, dout_view, B, L, H, d);
       const double t = elapsed_ms(t0);
       if (!st.ok()) {
         s->r.ok = false;
@@ -700,6 +832,20 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
       s->ms.push_back(t);
     }
     if (!any) break;
+  }
+
+  // --backward: the gradient error on the reduced problem (see backward_max_error).
+  if (g_opt.backward) {
+    for (auto& s : runs) {
+      row& r = s->r;
+      r.iters = static_cast<int>(s->ms.size());
+      if (!r.ok) continue;
+      r.ms = summarize(s->ms);
+      r.gflops = attention_flops(B, H, L, d) / (r.ms.median * 1e6);
+      if (!g_opt.no_ref && g_opt.ref_rows > 0) r.max_err = backward_max_error(s->cfg, L, type);
+    }
+    for (auto& s : runs) rows.push_back(std::move(s->r));
+    return;
   }
 
   // fp64 reference on the first R query rows of every head (one per pattern).
@@ -838,6 +984,7 @@ void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
           << g_opt.head_dim << " --threads " << g_opt.threads << " --warmup " << g_opt.warmup << " --iters "
           << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
           << g_opt.ref_rows;
+      if (g_opt.backward) cmd << " --mode backward --ref-length " << kBackwardRefLength;
       std::fprintf(stderr, "  torch %s%s (%s)\n", peer.version.c_str(), tuned ? ", tuned" : "",
                    peer.python.c_str());
       int rc = 0;
@@ -889,6 +1036,7 @@ std::string repro_command() {
     << g_opt.threads << " --dtype " << g_opt.dtype_name << " --warmup " << g_opt.warmup << " --iters "
     << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
     << g_opt.ref_rows;
+  if (g_opt.backward) c << " --backward";
   if (g_opt.no_torch) c << " --no-torch";
   if (!g_opt.no_torch) c << " --python " << join(g_opt.python);
   if (g_opt.no_torch_tuned) c << " --no-torch-tuned";
@@ -913,8 +1061,10 @@ std::string fmt(double x, int digits, bool sci = false, const char* suffix = "")
 std::string fmt_ms(double x) { return fmt(x, x < 1.0 ? 3 : x < 100.0 ? 2 : 1); }
 
 void print_table(const std::vector<row>& rows) {
-  std::printf("%-14s %-7s %-38s %-31s %5s %9s %9s %9s %8s %8s %9s\n", "B,H,L,d", "pattern",
-              "algorithm / peer", "kernel", "iters", "ms median", "ms min", "ms max", "GFLOP/s", "speedup",
+  int kw = 31;  // the kernel column (--backward names two kernels)
+  for (const row& r : rows) kw = std::max(kw, static_cast<int>(r.kernel.size()));
+  std::printf("%-14s %-7s %-38s %-*s %5s %9s %9s %9s %8s %8s %9s\n", "B,H,L,d", "pattern",
+              "algorithm / peer", kw, "kernel", "iters", "ms median", "ms min", "ms max", "GFLOP/s", "speedup",
               "max err");
   long long last_L = -1;
   for (const row& r : rows) {
@@ -925,12 +1075,12 @@ void print_table(const std::vector<row>& rows) {
     std::string alg = r.algorithm;
     if (r.source == "dfss" && r.isa != "-" && r.isa != "automatic") alg += " (" + r.isa + ")";
     if (!r.ok) {
-      std::printf("%-14s %-7s %-38s %-31s unsupported: %s\n", shape, r.pattern.c_str(), alg.c_str(),
+      std::printf("%-14s %-7s %-38s %-*s unsupported: %s\n", shape, r.pattern.c_str(), alg.c_str(), kw,
                   r.kernel.c_str(), r.reason.c_str());
       continue;
     }
-    std::printf("%-14s %-7s %-38s %-31s %5d %9s %9s %9s %8s %8s %9s\n", shape, r.pattern.c_str(), alg.c_str(),
-                r.kernel.c_str(), r.iters, fmt_ms(r.ms.median).c_str(), fmt_ms(r.ms.min).c_str(),
+    std::printf("%-14s %-7s %-38s %-*s %5d %9s %9s %9s %8s %8s %9s\n", shape, r.pattern.c_str(), alg.c_str(),
+                kw, r.kernel.c_str(), r.iters, fmt_ms(r.ms.median).c_str(), fmt_ms(r.ms.min).c_str(),
                 fmt_ms(r.ms.max).c_str(), fmt(r.gflops, 1).c_str(), fmt(r.speedup, 2, false, "x").c_str(),
                 fmt(r.max_err, 2, true).c_str());
   }
@@ -947,7 +1097,8 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
     for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + jstr(v[i]);
     return s + "]";
   };
-  f << "{\n  \"tool\": \"dfss bench\",\n  \"version\": " << jstr(info.version)
+  f << "{\n  \"tool\": \"dfss bench\",\n  \"mode\": " << jstr(g_opt.backward ? "backward" : "forward")
+    << ",\n  \"version\": " << jstr(info.version)
     << ",\n  \"date\": " << jstr(date) << ",\n  \"load_average_end\": " << jstr(load_average())
     << ",\n  \"commit\": " << jstr(commit) << ",\n  \"command\": " << jstr(repro_command())
     << ",\n  \"machine\": {\"cpu\": " << jstr(cpu) << ", \"hardware_threads\": " << omp_get_num_procs()
@@ -956,7 +1107,13 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
     << ", \"warmup\": " << g_opt.warmup << ", \"iters\": " << g_opt.iters
     << ", \"budget_s\": " << jnum(g_opt.budget_s) << ", \"ref_rows\": " << g_opt.ref_rows
     << ", \"seed\": " << g_opt.seed
-    << ", \"flops_per_head\": \"4 * Lq * Lk * d\"},\n  \"sgemm\": {\"ok\": " << (sg.ok ? "true" : "false")
+    << ", \"flops_per_head\": "
+    << jstr(g_opt.backward ? "14 * Lq * Lk * d (forward 4 + backward 10)" : "4 * Lq * Lk * d")
+    << ", \"max_err\": "
+    << jstr(g_opt.backward ? "max |dQ, dK, dV - fp64 reference backward| over all elements at L = min(L, " +
+                                 std::to_string(kBackwardRefLength) + ")"
+                           : "max |O - fp64 reference| over the first ref_rows query rows of every head")
+    << "},\n  \"sgemm\": {\"ok\": " << (sg.ok ? "true" : "false")
     << ", \"library\": " << jstr(sg.library) << ", \"corename\": " << jstr(sg.corename) << ", \"n\": " << sg.n
     << ", \"ms_median\": " << jnum(sg.ms.median) << ", \"ms_min\": " << jnum(sg.ms.min)
     << ", \"ms_max\": " << jnum(sg.ms.max) << ", \"calls\": " << sg.samples.size()
@@ -1096,9 +1253,9 @@ void add_bench_command(CLI::App& app) {
   bench_options& o = g_opt;
   CLI::App* c = app.add_subcommand(
       "bench", "Benchmark table: dfss patterns and algorithms vs dense vs PyTorch, sgemm yardstick");
-  c->add_option("--lengths", o.lengths, "sequence lengths (Lq = Lk), comma separated")
-      ->delimiter(',')
-      ->capture_default_str();
+  g_lengths_option = c->add_option("--lengths", o.lengths, "sequence lengths (Lq = Lk), comma separated")
+                         ->delimiter(',')
+                         ->capture_default_str();
   c->add_option("--patterns", o.patterns, "N:M patterns (dense = 1:1)")
       ->delimiter(',')
       ->capture_default_str();
@@ -1134,7 +1291,8 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--torch-script", o.torch_script, "path of tools/bench/torch_attention.py (default: found)");
   c->add_flag("--no-sgemm", o.no_sgemm, "skip the OpenBLAS sgemm yardstick");
-  c->add_flag("--backward", o.backward, "benchmark the backward pass (not yet)");
+  c->add_flag("--backward", o.backward,
+              "time forward + backward (fused rows, torch autograd); default lengths 512,1024,2048");
   c->add_flag("--memory", o.memory, "peak resident memory of the fused forward per length (child processes)");
   c->add_option("--memory-lengths", o.memory_lengths, "lengths for --memory")
       ->delimiter(',')
@@ -1149,10 +1307,14 @@ void add_bench_command(CLI::App& app) {
 int run_bench() {
   bench_options& o = g_opt;
   try {
-    if (o.backward) {
-      std::fprintf(stderr, "dfss bench: --backward: not yet (the cpu backend has no backward kernel yet)\n");
+    if (o.backward && (o.memory || o.memory_child > 0)) {
+      std::fprintf(stderr,
+                   "dfss bench: --backward and --memory cannot be combined (--memory measures the forward)\n");
       return kExitBadInput;
     }
+    // The backward sweep stops at 2048 by default (it is 3 to 4 times slower per length than the forward).
+    if (o.backward && g_lengths_option != nullptr && g_lengths_option->count() == 0)
+      o.lengths = {512, 1024, 2048};
     if (o.batch < 1 || o.heads < 1 || o.head_dim < 1 || o.memory_heads < 1 || o.warmup < 1 || o.iters < 1 ||
         o.threads < 0 || o.ref_rows < 0 || o.lengths.empty() || o.patterns.empty() || o.algorithms.empty() ||
         o.isas.empty()) {
@@ -1185,9 +1347,10 @@ int run_bench() {
     std::printf("machine: %s, %d hardware threads, features: %s; compiler: %s\n", cpu.c_str(),
                 omp_get_num_procs(), join(info.cpu_features, " ").c_str(), info.compiler.c_str());
     std::printf(
-        "run: %d threads, %s inputs (standard normal), warmup %d, median of up to %d calls (budget %gs per "
-        "configuration), non-causal, no masks\n",
-        o.threads, o.dtype_name.c_str(), o.warmup, o.iters, o.budget_s);
+        "run: %s, %d threads, %s inputs (standard normal), warmup %d, median of up to %d calls (budget %gs "
+        "per configuration), non-causal, no masks\n",
+        o.backward ? "forward + backward (--backward)" : "forward", o.threads, o.dtype_name.c_str(), o.warmup,
+        o.iters, o.budget_s);
     std::printf("load average at start: %s\n", load_average().c_str());
     std::printf("repro: %s\n\n", repro_command().c_str());
     std::fflush(stdout);
@@ -1230,16 +1393,30 @@ int run_bench() {
       for (const row& r : rows)
         if (r.source == "dfss" && r.ok && r.pattern == "dense" && r.algorithm == "fused" &&
             r.isa == o.isas[0])
-          std::printf("  L=%lld: dense fused %.1f GFLOP/s = %.2f of sgemm\n", r.L, r.gflops,
+          std::printf("  L=%lld: dense fused%s %.1f GFLOP/s = %.2f of sgemm\n", r.L,
+                      o.backward ? " forward+backward" : "", r.gflops,
                       r.gflops / sg.gflops);
     } else {
       std::printf("sgemm yardstick: %s\n", sg.reason.c_str());
     }
-    std::printf(
-        "\nGFLOP/s counts 4*Lq*Lk*d per head for every pattern (dense-equivalent, so it is proportional to\n"
-        "1/time); speedup = dfss dense fused ms / row ms, same shape, same run; max err = max |out - fp64\n"
-        "reference| over the first %lld query rows of every head (torch rows: vs torch float64).\n",
-        static_cast<long long>(o.ref_rows));
+    if (o.backward) {
+      std::printf(
+          "\n--backward: each row times one forward call (O and LSE) + one backward call (given O, LSE and a\n"
+          "random dO); torch rows: forward + O.backward(dO) through autograd, grads set to None per call.\n"
+          "Three-stage rows are skipped (the three-stage pipeline has no backward).\n"
+          "GFLOP/s counts 14*Lq*Lk*d per head for every pattern (forward 4 + backward 10: Q K^T recomputed,\n"
+          "dO V^T, P^T dO, dS K, dS^T Q; dense-equivalent, so it is proportional to 1/time); speedup = dfss\n"
+          "dense fused forward+backward ms / row ms, same shape, same run; max err = max |dQ, dK, dV - fp64\n"
+          "reference backward| over all elements of the problem with L = min(L, %lld) and the same settings\n"
+          "(torch rows: vs float64 autograd of softmax(q k^T * scale) v on that problem).\n",
+          kBackwardRefLength);
+    } else {
+      std::printf(
+          "\nGFLOP/s counts 4*Lq*Lk*d per head for every pattern (dense-equivalent, so it is proportional to\n"
+          "1/time); speedup = dfss dense fused ms / row ms, same shape, same run; max err = max |out - fp64\n"
+          "reference| over the first %lld query rows of every head (torch rows: vs torch float64).\n",
+          static_cast<long long>(o.ref_rows));
+    }
     if (!o.json.empty()) {
       write_json(o.json, rows, sg, info, cpu, date, commit, notes);
       std::printf("wrote %s\n", o.json.c_str());

@@ -200,6 +200,50 @@ class fused_avx2 {
         c_(static_cast<float>(p.scale) * kLog2e),
         group_(p.heads / p.heads_kv) {}
 
+  /// The calling thread's scratch. It lives as long as the thread (OpenMP keeps its threads), so
+  /// repeated calls do not pay for fresh pages; it is as large as the packed K and V of one head.
+  static workspace& thread_workspace() {
+    static thread_local workspace tls;
+    return tls;
+  }
+
+  /// Sizes the scratch for this call (and the backward's extra buffers); false when an allocation
+  /// failed. Exceptions must not leave a parallel region, so the caller reports the failure after it.
+  bool reserve(workspace& ws, bool backward) const noexcept {
+    ws.packed_b = ws.packed_hk = -1;  // a new call: the packed head may be stale
+    try {
+      const auto rows_pad = static_cast<std::size_t>((lk_pad_ + 1) * dp_);
+      const auto panels = static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16);
+      const auto tile_rows = static_cast<std::size_t>(kRowsPerTask * dp_);
+      const auto compact = static_cast<std::size_t>(w_ + 8);
+      ws.kt.resize(panels);
+      ws.vp.resize(rows_pad);
+      ws.q.resize(tile_rows);
+      ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+      ws.acc.resize(tile_rows);
+      ws.comp_val.resize(compact);
+      ws.comp_idx.resize(compact);
+      ws.row_max.resize(kRowsPerTask);
+      ws.row_sum.resize(kRowsPerTask);
+      ws.row_nan.resize(kRowsPerTask);
+      if (backward) {
+        ws.vt.resize(panels);
+        ws.dps.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+        ws.kr.resize(rows_pad);
+        ws.dk.resize(rows_pad);
+        ws.dv.resize(rows_pad);
+        ws.dout.resize(tile_rows);
+        ws.comp_p.resize(compact);
+        ws.comp_ds.resize(compact);
+        ws.row_d.resize(kRowsPerTask);
+        ws.row_lse2.resize(kRowsPerTask);
+      }
+    } catch (const std::bad_alloc&) {
+      return false;
+    }
+    return true;
+  }
+
   void run() {
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
     const std::int64_t tasks = p_.batch * p_.heads * q_tiles;
@@ -207,28 +251,9 @@ class fused_avx2 {
     std::atomic<bool> out_of_memory{false};
 #pragma omp parallel num_threads(threads)
     {
-      // The scratch lives as long as the thread (OpenMP keeps its threads), so repeated calls do not
-      // pay for fresh pages; it is as large as the packed K and V of one head.
-      static thread_local workspace tls;
-      workspace& ws = tls;
-      ws.packed_b = ws.packed_hk = -1;
-      // Exceptions must not leave the parallel region: a failed allocation is reported after it.
-      bool ready = true;
-      try {
-        ws.kt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
-        ws.vp.resize(static_cast<std::size_t>((lk_pad_ + 1) * dp_));
-        ws.q.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
-        ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
-        ws.acc.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
-        ws.comp_val.resize(static_cast<std::size_t>(w_ + 8));
-        ws.comp_idx.resize(static_cast<std::size_t>(w_ + 8));
-        ws.row_max.resize(kRowsPerTask);
-        ws.row_sum.resize(kRowsPerTask);
-        ws.row_nan.resize(kRowsPerTask);
-      } catch (const std::bad_alloc&) {
-        ready = false;
-        out_of_memory = true;
-      }
+      workspace& ws = thread_workspace();
+      const bool ready = reserve(ws, /*backward=*/false);
+      if (!ready) out_of_memory = true;
       // Causal tasks differ in cost: hand them out dynamically. Otherwise contiguous static chunks
       // let each thread pack each (batch, kv head) once. Either way every row is computed by one
       // thread in a fixed order, so the result does not depend on the thread count.
@@ -252,34 +277,9 @@ class fused_avx2 {
     std::atomic<bool> out_of_memory{false};
 #pragma omp parallel num_threads(threads)
     {
-      static thread_local workspace tls;
-      workspace& ws = tls;
-      ws.packed_b = ws.packed_hk = -1;
-      bool ready = true;
-      try {
-        const auto rows_pad = static_cast<std::size_t>((lk_pad_ + 1) * dp_);
-        ws.kt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
-        ws.vt.resize(static_cast<std::size_t>((lk_pad_ / 16) * dp_ * 16));
-        ws.dps.resize(static_cast<std::size_t>(kRowsPerTask * w_));
-        ws.vp.resize(rows_pad);
-        ws.kr.resize(rows_pad);
-        ws.dk.resize(rows_pad);
-        ws.dv.resize(rows_pad);
-        ws.q.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
-        ws.dout.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
-        ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
-        ws.acc.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
-        ws.comp_val.resize(static_cast<std::size_t>(w_ + 8));
-        ws.comp_idx.resize(static_cast<std::size_t>(w_ + 8));
-        ws.comp_p.resize(static_cast<std::size_t>(w_ + 8));
-        ws.comp_ds.resize(static_cast<std::size_t>(w_ + 8));
-        ws.row_d.resize(kRowsPerTask);
-        ws.row_lse2.resize(kRowsPerTask);
-        ws.row_nan.resize(kRowsPerTask);
-      } catch (const std::bad_alloc&) {
-        ready = false;
-        out_of_memory = true;
-      }
+      workspace& ws = thread_workspace();
+      const bool ready = reserve(ws, /*backward=*/true);
+      if (!ready) out_of_memory = true;
 #pragma omp for schedule(static)
       for (std::int64_t t = 0; t < tasks; ++t)
         if (ready) backward_task(ws, t);

@@ -98,7 +98,7 @@ int run_demo(const demo_options& o) {
   }
   std::printf("\nerrors are relative L2 norms over all outputs. \"vs dense attn\" is the approximation DFSS\n"
               "makes (finetuning recovers accuracy, per the paper); \"vs fp64 ref\" is the kernel's own\n"
-              "rounding error. This is the generic scalar CPU kernel; see README for backend status.\n");
+              "rounding error. The \"cpu kernel\" line says which kernel ran; README lists the backends.\n");
   return kExitOk;
 }
 

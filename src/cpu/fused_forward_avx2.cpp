@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "core/element_access.hpp"
+#include "cpu/fused_common.hpp"
 #include "cpu/fused_forward.hpp"
 #include "dfss/format/nm_select.hpp"
 #include "dfss/numeric.hpp"
@@ -65,23 +66,9 @@ namespace {
 namespace dfss::cpu {
 namespace {
 
-/// Query rows per task: enough to amortise the S tile epilogue setup and small enough that the
-/// task's Q (32 x dp), S (32 x W) and accumulators (32 x dp) stay in L1/L2 for d = 64.
-constexpr int kRowsPerTask = 32;
-/// Minimum key tile width; the real width is a multiple of lcm(M, 16) at least this wide. 64 keys of
-/// K (16 KiB at d = 64) fit in L1 next to the S tile.
-constexpr int kMinKeyTile = 64;
-/// Widest key tile: lcm(M, 16) <= 240 for M <= 16, times 1.
-constexpr int kMaxKeyTile = 256;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+using namespace fused;
 
-int gcd_int(int a, int b) { return b == 0 ? a : gcd_int(b, a % b); }
 
-int key_tile_width(int m) {
-  const int l = m / gcd_int(m, 16) * 16;
-  return (kMinKeyTile + l - 1) / l * l;
-}
 
 /// 2^x for x <= 0 (scores minus the running maximum). Below -125 the result flushes to 0: the true
 /// value is under 2.4e-38 while the row's largest term is 1. Degree-7 Taylor polynomial of 2^f on
@@ -150,30 +137,7 @@ inline void microkernel_4x16(const float* q, std::int64_t ldq, const float* kt, 
   _mm256_store_ps(s + 3 * lds + 8, c31);
 }
 
-template <typename T>
-inline float load_f32(const void* base, std::int64_t off) {
-  return to_float(static_cast<const T*>(base)[off]);
-}
 
-/// 32-byte aligned scratch of 4-byte elements (no std::vector here: see the target pragma above).
-template <typename E>
-struct aligned_buffer {
-  E* ptr = nullptr;
-  std::size_t size = 0;
-  aligned_buffer() = default;
-  aligned_buffer(const aligned_buffer&) = delete;
-  aligned_buffer& operator=(const aligned_buffer&) = delete;
-  void resize(std::size_t n) {
-    if (n <= size) return;
-    std::free(ptr);
-    size = 0;  // stays consistent if the allocation below fails
-    ptr = static_cast<E*>(std::aligned_alloc(32, (n * sizeof(E) + 31) / 32 * 32));
-    if (ptr == nullptr) throw std::bad_alloc();
-    size = n;
-  }
-  E& operator[](std::size_t i) { return ptr[i]; }
-  ~aligned_buffer() { std::free(ptr); }
-};
 
 /// Per-thread state: the packed keys and values of one (batch, kv head) and the task scratch.
 struct workspace {

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "core/element_access.hpp"
+#include "cpu/fused_common.hpp"
 #include "cpu/fused_forward.hpp"
 #include "dfss/format/nm_select.hpp"
 #include "dfss/numeric.hpp"
@@ -27,15 +28,11 @@
 namespace dfss::cpu {
 namespace {
 
+using namespace fused;
+
 using v8f = float __attribute__((vector_size(32)));
 using v8i = std::int32_t __attribute__((vector_size(32)));
 
-/// Query rows per task and minimum key tile width: the values tuned for the AVX2 kernel (see
-/// there); the working set per task is the same.
-constexpr int kRows = 32;
-constexpr int kMinKeyTile = 64;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 inline v8f load8(const float* p) {
@@ -45,12 +42,6 @@ inline v8f load8(const float* p) {
 }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 
-int gcd_int(int a, int b) { return b == 0 ? a : gcd_int(b, a % b); }
-
-int key_tile_width(int m) {
-  const int l = m / gcd_int(m, 16) * 16;
-  return (kMinKeyTile + l - 1) / l * l;
-}
 
 /// 2^x for x <= 0, as in the AVX2 kernel: below -125 flush to 0; degree-7 polynomial on the
 /// fraction. Rounding to the nearest integer uses the 1.5 * 2^23 trick (exact for |x| < 2^22).
@@ -81,28 +72,7 @@ inline v8f exp2_v8(v8f x) {
   return r;
 }
 
-template <typename T>
-inline float load_f32(const void* base, std::int64_t off) {
-  return to_float(static_cast<const T*>(base)[off]);
-}
 
-template <typename E>
-struct aligned_buffer {
-  E* ptr = nullptr;
-  std::size_t size = 0;
-  aligned_buffer() = default;
-  aligned_buffer(const aligned_buffer&) = delete;
-  aligned_buffer& operator=(const aligned_buffer&) = delete;
-  void resize(std::size_t n) {
-    if (n <= size) return;
-    std::free(ptr);
-    size = 0;  // stays consistent if the allocation below fails
-    ptr = static_cast<E*>(std::aligned_alloc(32, (n * sizeof(E) + 31) / 32 * 32));
-    if (ptr == nullptr) throw std::bad_alloc();
-    size = n;
-  }
-  ~aligned_buffer() { std::free(ptr); }
-};
 
 struct workspace {
   std::int64_t packed_b = -1, packed_hk = -1;
@@ -123,7 +93,7 @@ class fused_portable {
         group_(p.heads / p.heads_kv) {}
 
   void run() {
-    const std::int64_t q_tiles = (p_.seqlen_q + kRows - 1) / kRows;
+    const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
     const std::int64_t tasks = p_.batch * p_.heads * q_tiles;
     const int threads = p_.num_threads > 0 ? p_.num_threads : omp_get_max_threads();
     std::atomic<bool> out_of_memory{false};
@@ -137,14 +107,14 @@ class fused_portable {
       try {
         ws.kt.resize(static_cast<std::size_t>(lk_pad_ * dp_));
         ws.vp.resize(static_cast<std::size_t>((lk_pad_ + 1) * dp_));
-        ws.q.resize(static_cast<std::size_t>(kRows * dp_));
-        ws.s.resize(static_cast<std::size_t>(kRows * w_));
-        ws.acc.resize(static_cast<std::size_t>(kRows * dp_));
+        ws.q.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
+        ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+        ws.acc.resize(static_cast<std::size_t>(kRowsPerTask * dp_));
         ws.cv.resize(static_cast<std::size_t>(w_ + 8));
         ws.ci.resize(static_cast<std::size_t>(w_ + 8));
-        ws.row_max.resize(kRows);
-        ws.row_sum.resize(kRows);
-        ws.row_nan.resize(kRows);
+        ws.row_max.resize(kRowsPerTask);
+        ws.row_sum.resize(kRowsPerTask);
+        ws.row_nan.resize(kRowsPerTask);
       } catch (const std::bad_alloc&) {
         ready = false;
         out_of_memory = true;
@@ -226,8 +196,8 @@ class fused_portable {
     const std::int64_t h = (t / q_tiles) % p_.heads;
     const std::int64_t b = t / (q_tiles * p_.heads);
     const std::int64_t hk = h / group_;
-    const std::int64_t i0 = qt * kRows;
-    const int rows = static_cast<int>(std::min<std::int64_t>(kRows, p_.seqlen_q - i0));
+    const std::int64_t i0 = qt * kRowsPerTask;
+    const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
     const int rows4 = (rows + 3) / 4 * 4;
     pack_head(ws, b, hk);
     for (int i = 0; i < rows4; ++i) load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, ws.q.ptr + i * dp_);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -178,6 +179,17 @@ inline naive_result naive_forward(const problem& pr) {
     }
   return r;
 }
+
+/// Whether this CPU reports every feature in @p names (as dfss::get_build_info lists them).
+inline bool cpu_has(std::initializer_list<const char*> names) {
+  const auto f = get_build_info().cpu_features;
+  for (const char* n : names)
+    if (std::find(f.begin(), f.end(), n) == f.end()) return false;
+  return true;
+}
+
+/// The CPU backend's AVX2 kernels (forward and backward) run on this machine.
+inline bool cpu_runs_avx2_kernels() { return cpu_has({"avx2", "fma", "f16c"}); }
 
 /// Score q_i . k_j (+ bias) of (batch b, head h) in fp64, before masks; packed [B, L, H, d] data.
 inline double score(const problem& pr, std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {

@@ -16,11 +16,7 @@ namespace {
 
 constexpr double kEps32 = 1.0 / (1 << 23);
 
-bool cpu_has_backward() {
-  const auto f = get_build_info().cpu_features;
-  auto has = [&](const char* x) { return std::find(f.begin(), f.end(), x) != f.end(); };
-  return has("avx2") && has("fma") && has("f16c");
-}
+bool cpu_has_backward() { return cpu_runs_avx2_kernels(); }
 
 double max_abs(const std::vector<double>& x) {
   double m = 0;

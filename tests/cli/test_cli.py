@@ -19,8 +19,6 @@ except ImportError:  # pragma: no cover - exercised on machines without numpy
     print("SKIP: numpy is not importable by", sys.executable)
     sys.exit(77)
 
-DFSS = None
-
 
 def semantics_forward(q, k, v, n, m, causal=False, scale=None, lens=None, bias=None):
     """O [B, Lq, H, d], LSE [B, H, Lq] and the keep mask [B, H, Lq, Lk] per dfss-semantics.md."""
@@ -86,7 +84,10 @@ def rel_err(a, b):
     return float(diff.max()) if diff.size else 0.0
 
 
-class CliTest(unittest.TestCase):
+class DfssCliCase(unittest.TestCase):
+    """Scratch directory, random generator, .npy helpers and the dfss binary under test (set by main)."""
+    binary = None
+
     def setUp(self):
         self.dir = tempfile.TemporaryDirectory()
         self.rng = np.random.default_rng()
@@ -102,7 +103,10 @@ class CliTest(unittest.TestCase):
         return self.path(name)
 
     def run_dfss(self, *args):
-        return subprocess.run([DFSS, *args], capture_output=True, text=True, timeout=300)
+        return subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=300)
+
+
+class CliTest(DfssCliCase):
 
     def operands(self, B=2, Lq=7, Lk=11, H=4, Hkv=2, d=5, dtype=np.float64):
         q = self.rng.standard_normal((B, Lq, H, d)).astype(dtype)
@@ -261,5 +265,5 @@ class CliTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    DFSS = sys.argv.pop(1)
+    DfssCliCase.binary = sys.argv.pop(1)
     unittest.main(verbosity=2)

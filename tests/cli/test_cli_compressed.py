@@ -14,9 +14,7 @@ Usage: test_cli_compressed.py DFSS_BINARY. Exits 77 (CTest skip) with a reason w
 importable.
 """
 import os
-import subprocess
 import sys
-import tempfile
 import unittest
 
 try:
@@ -26,9 +24,8 @@ except ImportError:  # pragma: no cover - exercised on machines without numpy
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_cli import rel_err, semantics_forward  # noqa: E402  (the NumPy semantics, shared)
+from test_cli import DfssCliCase, rel_err, semantics_forward  # noqa: E402  (shared helpers)
 
-DFSS = None
 
 
 def masked_scores(q, k, causal=False, lens=None, bias=None):
@@ -88,23 +85,7 @@ def metadata_words(indices, n, m, Lk):
     return (nib << (4 * np.arange(4))).sum(axis=-1).astype(np.uint16)
 
 
-class CompressedCliTest(unittest.TestCase):
-    def setUp(self):
-        self.dir = tempfile.TemporaryDirectory()
-        self.rng = np.random.default_rng()
-
-    def tearDown(self):
-        self.dir.cleanup()
-
-    def path(self, name):
-        return os.path.join(self.dir.name, name)
-
-    def save(self, name, array):
-        np.save(self.path(name), array)
-        return self.path(name)
-
-    def run_dfss(self, *args):
-        return subprocess.run([DFSS, *args], capture_output=True, text=True, timeout=300)
+class CompressedCliTest(DfssCliCase):
 
     def integer_operands(self, B, Lq, Lk, H, Hkv, d, dtype):
         q = self.rng.integers(-3, 4, (B, Lq, H, d)).astype(dtype)
@@ -233,5 +214,5 @@ class CompressedCliTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    DFSS = sys.argv.pop(1)
+    DfssCliCase.binary = sys.argv.pop(1)
     unittest.main(verbosity=2)

@@ -7,6 +7,10 @@ import json
 import sys
 
 
+def fmt_err(x):
+    return "n/a" if x is None else f"{x:.1e}"
+
+
 def main(path):
     d = json.load(open(path))
     print(f"- Date: {d['date']}. Commit: `{d['commit']}`. Command: `{d['command']}`.")
@@ -28,7 +32,7 @@ def main(path):
         name = r.get("algorithm") if r.get("source") == "dfss" else r.get("peer", r.get("algorithm", ""))
         print(f"| {r['L']} | {r['pattern']} | {name} | {r.get('kernel', '')} | {r['iters']} | {r['ms_median']:.4g} | "
               f"{r['ms_min']:.4g} | {r['ms_max']:.4g} | {r['gflops']:.1f} | {r['speedup_vs_dense_fused']:.2f}x | "
-              f"{r['max_err']:.1e} |")
+              f"{fmt_err(r.get('max_err'))} |")
 
 
 if __name__ == "__main__":

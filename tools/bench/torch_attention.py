@@ -44,8 +44,19 @@ import time
 PREFIX = "DFSS_TORCH_JSON "
 
 
+def _finite(x):
+    """The object with non-finite floats replaced by None: strict JSON (null), which dfss reads as NaN."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def emit(obj):
-    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+    sys.stdout.write(PREFIX + json.dumps(_finite(obj), allow_nan=False) + "\n")
     sys.stdout.flush()
 
 

@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -228,223 +229,21 @@ int timed_iterations(double first_ms) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A minimal JSON reader (the torch script's output): objects, arrays, strings, numbers, literals.
+// JSON (nlohmann-json): the torch script's output in, the --json file out
 // ---------------------------------------------------------------------------------------------
 
-struct jvalue {
-  enum class kind { null, boolean, number, string, array, object } k = kind::null;
-  bool b = false;
-  double num = 0;
-  std::string str;
-  std::vector<jvalue> arr;
-  std::vector<std::pair<std::string, jvalue>> obj;
+using json = nlohmann::json;
 
-  const jvalue* get(const std::string& key) const {
-    for (const auto& [name, value] : obj)
-      if (name == key) return &value;
-    return nullptr;
-  }
-  std::string get_str(const std::string& key, const std::string& fallback = {}) const {
-    const jvalue* v = get(key);
-    return v && v->k == kind::string ? v->str : fallback;
-  }
-  double get_num(const std::string& key) const {
-    const jvalue* v = get(key);
-    return v && v->k == kind::number ? v->num : kNaN;
-  }
-};
-
-class json_reader {
- public:
-  explicit json_reader(std::string text) : s_(std::move(text)) {}
-  bool parse(jvalue& out) {
-    try {
-      out = value();
-      ws();
-      return i_ == s_.size();
-    } catch (const std::runtime_error&) {
-      return false;
-    }
-  }
-
- private:
-  std::string s_;
-  std::size_t i_ = 0;
-
-  [[noreturn]] void fail() const { throw std::runtime_error("bad json"); }
-  void ws() {
-    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
-  }
-  char peek() {
-    ws();
-    if (i_ >= s_.size()) fail();
-    return s_[i_];
-  }
-  void expect(char c) {
-    if (peek() != c) fail();
-    ++i_;
-  }
-  bool literal(const char* word) {
-    const std::size_t n = std::strlen(word);
-    if (s_.compare(i_, n, word) == 0) {
-      i_ += n;
-      return true;
-    }
-    return false;
-  }
-  std::string string_value() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (i_ >= s_.size()) fail();
-      const char c = s_[i_++];
-      if (c == '"') return out;
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (i_ >= s_.size()) fail();
-      const char e = s_[i_++];
-      switch (e) {
-        case 'n':
-          out += '\n';
-          break;
-        case 't':
-          out += '\t';
-          break;
-        case 'r':
-          out += '\r';
-          break;
-        case 'b':
-          out += '\b';
-          break;
-        case 'f':
-          out += '\f';
-          break;
-        case 'u': {
-          if (i_ + 4 > s_.size()) fail();
-          const unsigned long cp = std::strtoul(s_.substr(i_, 4).c_str(), nullptr, 16);
-          i_ += 4;
-          out += cp < 0x80 ? static_cast<char>(cp) : '?';  // only ASCII matters here
-          break;
-        }
-        default:
-          out += e;
-      }
-    }
-  }
-  jvalue value() {
-    jvalue v;
-    const char c = peek();
-    if (c == '{') {
-      v.k = jvalue::kind::object;
-      ++i_;
-      if (peek() == '}') {
-        ++i_;
-        return v;
-      }
-      while (true) {
-        std::string key = string_value();
-        expect(':');
-        v.obj.emplace_back(std::move(key), value());
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect('}');
-        return v;
-      }
-    }
-    if (c == '[') {
-      v.k = jvalue::kind::array;
-      ++i_;
-      if (peek() == ']') {
-        ++i_;
-        return v;
-      }
-      while (true) {
-        v.arr.push_back(value());
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect(']');
-        return v;
-      }
-    }
-    if (c == '"') {
-      v.k = jvalue::kind::string;
-      v.str = string_value();
-      return v;
-    }
-    if (literal("true")) {
-      v.k = jvalue::kind::boolean;
-      v.b = true;
-      return v;
-    }
-    if (literal("false")) {
-      v.k = jvalue::kind::boolean;
-      return v;
-    }
-    if (literal("null")) return v;
-    if (literal("NaN")) {  // Python's json writes NaN / Infinity for non-finite floats
-      v.k = jvalue::kind::number;
-      v.num = kNaN;
-      return v;
-    }
-    if (literal("Infinity")) {
-      v.k = jvalue::kind::number;
-      v.num = std::numeric_limits<double>::infinity();
-      return v;
-    }
-    const char* begin = s_.c_str() + i_;
-    char* end = nullptr;
-    v.num = std::strtod(begin, &end);
-    if (end == begin) fail();
-    i_ += static_cast<std::size_t>(end - begin);
-    v.k = jvalue::kind::number;
-    return v;
-  }
-};
-
-// ---------------------------------------------------------------------------------------------
-// JSON writing
-// ---------------------------------------------------------------------------------------------
-
-std::string jstr(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
+/// j[key] as a string, or empty when absent or not a string.
+std::string get_str(const json& j, const char* key) {
+  const auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string{};
 }
 
-std::string jnum(double x) {
-  if (!std::isfinite(x)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.6g", x);
-  return buf;
+/// j[key] as a number, or NaN when absent or null (the script writes non-finite floats as null).
+double get_num(const json& j, const char* key) {
+  const auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<double>() : kNaN;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -917,15 +716,15 @@ std::string find_torch_script() {
   return {};
 }
 
-bool read_torch_json(const std::string& output, jvalue& out) {
+bool read_torch_json(const std::string& output, json& out) {
   const std::string prefix = "DFSS_TORCH_JSON ";
   std::istringstream lines(output);
   std::string line;
   bool found = false;
   while (std::getline(lines, line)) {
     if (line.rfind(prefix, 0) != 0) continue;
-    json_reader reader(line.substr(prefix.size()));
-    found = reader.parse(out);
+    out = json::parse(line.substr(prefix.size()), nullptr, /*allow_exceptions=*/false);
+    found = !out.is_discarded() && out.is_object();
   }
   return found;
 }
@@ -953,22 +752,22 @@ void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
     int rc = 0;
     const std::string out =
         capture(torch_env(false) + shell_quote(py) + " " + shell_quote(script) + " --probe 2>/dev/null", &rc);
-    jvalue j;
+    json j;
     if (!read_torch_json(out, j)) {
       notes.push_back("torch: " + py + ": not runnable");
       continue;
     }
-    if (j.get("error")) {
-      notes.push_back("torch: " + py + " (" + j.get_str("python") + "): " + j.get_str("error"));
+    if (j.contains("error")) {
+      notes.push_back("torch: " + py + " (" + get_str(j, "python") + "): " + get_str(j, "error"));
       continue;
     }
-    torch_peer p{py, j.get_str("torch_version"), j.get_str("sdpa")};
+    torch_peer p{py, get_str(j, "torch_version"), get_str(j, "sdpa")};
     if (!versions.insert(p.version).second) {
-      notes.push_back("torch: " + py + " (" + j.get_str("python") + "): torch " + p.version +
+      notes.push_back("torch: " + py + " (" + get_str(j, "python") + "): torch " + p.version +
                       " already measured, skipped");
       continue;
     }
-    notes.push_back("torch: " + py + " (" + j.get_str("python") + ", Python " + j.get_str("python_version") +
+    notes.push_back("torch: " + py + " (" + get_str(j, "python") + ", Python " + get_str(j, "python_version") +
                     "): torch " + p.version);
     peers.push_back(p);
   }
@@ -989,33 +788,32 @@ void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
                    peer.python.c_str());
       int rc = 0;
       const std::string out = capture(cmd.str(), &rc);
-      jvalue j;
-      if (!read_torch_json(out, j) || !j.get("results")) {
+      json j;
+      if (!read_torch_json(out, j) || !j.contains("results") || !j["results"].is_array()) {
         notes.push_back("torch " + peer.version + ": the script failed (exit status " + std::to_string(rc) +
                         "); run it by hand: " + cmd.str());
         continue;
       }
-      const jvalue& res = *j.get("results");
-      for (const jvalue& e : res.arr) {
+      for (const json& e : j["results"]) {
         row r;
         r.source = "torch";
-        r.B = static_cast<long long>(e.get_num("B"));
-        r.H = static_cast<long long>(e.get_num("H"));
-        r.L = static_cast<long long>(e.get_num("L"));
-        r.d = static_cast<long long>(e.get_num("d"));
+        r.B = static_cast<long long>(get_num(e, "B"));
+        r.H = static_cast<long long>(get_num(e, "H"));
+        r.L = static_cast<long long>(get_num(e, "L"));
+        r.d = static_cast<long long>(get_num(e, "d"));
         r.pattern = "dense";
-        r.algorithm = "torch " + peer.version + " " + e.get_str("method") + (tuned ? ", tuned" : "");
+        r.algorithm = "torch " + peer.version + " " + get_str(e, "method") + (tuned ? ", tuned" : "");
         r.isa = "-";
-        r.kernel = "python " + j.get_str("python_version") + " fp32";
-        if (e.get("error")) {
-          r.reason = e.get_str("error");
+        r.kernel = "python " + get_str(j, "python_version") + " fp32";
+        if (e.contains("error")) {
+          r.reason = get_str(e, "error");
         } else {
           r.ok = true;
-          r.ms.median = e.get_num("ms_median");
-          r.ms.min = e.get_num("ms_min");
-          r.ms.max = e.get_num("ms_max");
-          r.iters = static_cast<int>(e.get_num("iters"));
-          r.max_err = e.get_num("max_err");
+          r.ms.median = get_num(e, "ms_median");
+          r.ms.min = get_num(e, "ms_min");
+          r.ms.max = get_num(e, "ms_max");
+          r.iters = static_cast<int>(get_num(e, "iters"));
+          r.max_err = get_num(e, "max_err");
           r.gflops = attention_flops(r.B, r.H, r.L, r.d) / (r.ms.median * 1e6);
         }
         rows.push_back(r);
@@ -1092,46 +890,49 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
   std::ofstream f(path);
   if (!f)
     throw error(status_code::invalid_argument, "dfss bench: argument '--json': cannot write '" + path + "'");
-  auto list = [](const std::vector<std::string>& v) {
-    std::string s = "[";
-    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + jstr(v[i]);
-    return s + "]";
-  };
-  f << "{\n  \"tool\": \"dfss bench\",\n  \"mode\": " << jstr(g_opt.backward ? "backward" : "forward")
-    << ",\n  \"version\": " << jstr(info.version)
-    << ",\n  \"date\": " << jstr(date) << ",\n  \"load_average_end\": " << jstr(load_average())
-    << ",\n  \"commit\": " << jstr(commit) << ",\n  \"command\": " << jstr(repro_command())
-    << ",\n  \"machine\": {\"cpu\": " << jstr(cpu) << ", \"hardware_threads\": " << omp_get_num_procs()
-    << ", \"cpu_features\": " << list(info.cpu_features) << ", \"compiler\": " << jstr(info.compiler)
-    << "},\n  \"config\": {\"threads\": " << g_opt.threads << ", \"dtype\": " << jstr(g_opt.dtype_name)
-    << ", \"warmup\": " << g_opt.warmup << ", \"iters\": " << g_opt.iters
-    << ", \"budget_s\": " << jnum(g_opt.budget_s) << ", \"ref_rows\": " << g_opt.ref_rows
-    << ", \"seed\": " << g_opt.seed
-    << ", \"flops_per_head\": "
-    << jstr(g_opt.backward ? "14 * Lq * Lk * d (forward 4 + backward 10)" : "4 * Lq * Lk * d")
-    << ", \"max_err\": "
-    << jstr(g_opt.backward ? "max |dQ, dK, dV - fp64 reference backward| over all elements at L = min(L, " +
-                                 std::to_string(kBackwardRefLength) + ")"
-                           : "max |O - fp64 reference| over the first ref_rows query rows of every head")
-    << "},\n  \"sgemm\": {\"ok\": " << (sg.ok ? "true" : "false")
-    << ", \"library\": " << jstr(sg.library) << ", \"corename\": " << jstr(sg.corename) << ", \"n\": " << sg.n
-    << ", \"ms_median\": " << jnum(sg.ms.median) << ", \"ms_min\": " << jnum(sg.ms.min)
-    << ", \"ms_max\": " << jnum(sg.ms.max) << ", \"calls\": " << sg.samples.size()
-    << ", \"gflops\": " << jnum(sg.gflops) << ", \"reason\": " << jstr(sg.reason)
-    << "},\n  \"notes\": " << list(notes) << ",\n  \"rows\": [\n";
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    const row& r = rows[i];
-    f << "    {\"source\": " << jstr(r.source) << ", \"B\": " << r.B << ", \"H\": " << r.H
-      << ", \"L\": " << r.L << ", \"d\": " << r.d << ", \"pattern\": " << jstr(r.pattern)
-      << ", \"algorithm\": " << jstr(r.algorithm) << ", \"isa\": " << jstr(r.isa)
-      << ", \"kernel\": " << jstr(r.kernel) << ", \"ok\": " << (r.ok ? "true" : "false")
-      << ", \"reason\": " << jstr(r.reason) << ", \"iters\": " << r.iters
-      << ", \"ms_median\": " << jnum(r.ms.median) << ", \"ms_min\": " << jnum(r.ms.min)
-      << ", \"ms_max\": " << jnum(r.ms.max) << ", \"gflops\": " << jnum(r.gflops)
-      << ", \"speedup_vs_dense_fused\": " << jnum(r.speedup) << ", \"max_err\": " << jnum(r.max_err) << "}"
-      << (i + 1 < rows.size() ? ",\n" : "\n");
+  json j;
+  j["tool"] = "dfss bench";
+  j["mode"] = g_opt.backward ? "backward" : "forward";
+  j["version"] = info.version;
+  j["date"] = date;
+  j["load_average_end"] = load_average();
+  j["commit"] = commit;
+  j["command"] = repro_command();
+  j["machine"] = {{"cpu", cpu},
+                  {"hardware_threads", omp_get_num_procs()},
+                  {"cpu_features", info.cpu_features},
+                  {"compiler", info.compiler}};
+  j["config"] = {
+      {"threads", g_opt.threads},
+      {"dtype", g_opt.dtype_name},
+      {"warmup", g_opt.warmup},
+      {"iters", g_opt.iters},
+      {"budget_s", g_opt.budget_s},
+      {"ref_rows", g_opt.ref_rows},
+      {"seed", g_opt.seed},
+      {"flops_per_head", g_opt.backward ? "14 * Lq * Lk * d (forward 4 + backward 10)" : "4 * Lq * Lk * d"},
+      {"max_err", g_opt.backward ? "max |dQ, dK, dV - fp64 reference backward| over all elements at L = min(L, " +
+                                       std::to_string(kBackwardRefLength) + ")"
+                                 : std::string("max |O - fp64 reference| over the first ref_rows query rows of every head")}};
+  j["sgemm"] = {{"ok", sg.ok},          {"library", sg.library},        {"corename", sg.corename},
+                {"n", sg.n},            {"ms_median", sg.ms.median},    {"ms_min", sg.ms.min},
+                {"ms_max", sg.ms.max},  {"calls", sg.samples.size()},   {"gflops", sg.gflops},
+                {"reason", sg.reason}};
+  j["notes"] = notes;
+  j["rows"] = json::array();
+  for (const row& r : rows) {
+    j["rows"].push_back({{"source", r.source},   {"B", r.B},
+                         {"H", r.H},             {"L", r.L},
+                         {"d", r.d},             {"pattern", r.pattern},
+                         {"algorithm", r.algorithm}, {"isa", r.isa},
+                         {"kernel", r.kernel},   {"ok", r.ok},
+                         {"reason", r.reason},   {"iters", r.iters},
+                         {"ms_median", r.ms.median}, {"ms_min", r.ms.min},
+                         {"ms_max", r.ms.max},   {"gflops", r.gflops},
+                         {"speedup_vs_dense_fused", r.speedup}, {"max_err", r.max_err}});
   }
-  f << "  ]\n}\n";
+  // Non-finite numbers (a row without an error estimate) are written as null.
+  f << j.dump(2) << "\n";
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -30,18 +30,12 @@ kernel_selection select_reference(direction dir) {
              : make(kernel_kind::reference_backward, backend::reference, "reference.backward");
 }
 
-kernel_selection select_cpu_backward(const attention_params& p, const attention_config& c, bool avx2_ok) {
+kernel_selection select_cpu_backward(const attention_config& c, bool avx2_ok) {
   if (!avx2_ok) {
     return reject(backend::cpu, "the cpu backward pass needs AVX2, FMA and F16C for now; use backend reference");
   }
   if (c.cpu_isa == cpu_isa::generic || c.cpu_isa == cpu_isa::portable) {
     return reject(backend::cpu, "the cpu backward pass exists for cpu_isa avx2 only so far; use backend reference");
-  }
-  const bool dbias_broadcast = p.dbias != nullptr && ((p.dbias_stride[0] == 0 && p.batch > 1) ||
-                                                      (p.dbias_stride[1] == 0 && p.heads > 1));
-  if (dbias_broadcast) {
-    return reject(backend::cpu,
-                  "the cpu backward pass writes dbias only without broadcast dimensions; use backend reference");
   }
   return make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
 }
@@ -52,7 +46,7 @@ kernel_selection select_cpu(const attention_params& p, const attention_config& c
                   "the cpu backend takes f32, f16 and bf16 inputs, got f64; use backend reference");
   }
   const bool avx2_ok = cpu::cpu_supports_avx2() && (p.input_type != dtype::f16 || cpu::cpu_supports_f16c());
-  if (dir == direction::backward) return select_cpu_backward(p, c, avx2_ok);
+  if (dir == direction::backward) return select_cpu_backward(c, avx2_ok);
   if (c.cpu_algorithm == cpu_algorithm::three_stage) {
     return make(kernel_kind::cpu_three_stage_forward, backend::cpu, "cpu.three_stage_forward.generic");
   }

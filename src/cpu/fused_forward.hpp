@@ -20,7 +20,7 @@ status fused_forward_avx2(const attention_params& p) noexcept;
 /// fast path on CPUs without AVX2.
 status fused_forward_portable(const attention_params& p) noexcept;
 
-/// @brief AVX2 fused backward: dQ, dK, dV (and dBias without broadcast dimensions). Requires p.o and
+/// @brief AVX2 fused backward: dQ, dK, dV (and dBias, summed over its broadcast dimensions). Requires p.o and
 /// p.lse (the forward's output and LSE). Recomputes the scores with the AVX2 forward's micro-kernel
 /// and selection, so it keeps exactly the keys that forward kept. Parallel over (batch, kv head);
 /// the query heads of a group and all query rows accumulate into dK, dV in a fixed order, so the

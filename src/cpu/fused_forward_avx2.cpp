@@ -139,6 +139,44 @@ inline void microkernel_4x16(const float* q, std::int64_t ldq, const float* kt, 
 
 
 
+/// acc[0, dp) += sum over t < n of weight(t) * row(t)[0, dp): the sparse combination of rows behind
+/// dQ (over a query row's kept keys) and dK, dV (over the query rows that kept a key). 64 columns are
+/// held in 8 registers at a time, so acc is read and written once per call.
+template <typename Weight, typename Row>
+inline void add_row_combination(float* acc, int dp, int n, Weight weight, Row row) {
+  int c0 = 0;
+  for (; c0 + 64 <= dp; c0 += 64) {
+    __m256 a0 = _mm256_load_ps(acc + c0), a1 = _mm256_load_ps(acc + c0 + 8), a2 = _mm256_load_ps(acc + c0 + 16),
+           a3 = _mm256_load_ps(acc + c0 + 24), a4 = _mm256_load_ps(acc + c0 + 32), a5 = _mm256_load_ps(acc + c0 + 40),
+           a6 = _mm256_load_ps(acc + c0 + 48), a7 = _mm256_load_ps(acc + c0 + 56);
+    for (int t = 0; t < n; ++t) {
+      const __m256 w = _mm256_set1_ps(weight(t));
+      const float* x = row(t) + c0;
+      a0 = _mm256_fmadd_ps(w, _mm256_load_ps(x), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_load_ps(x + 8), a1);
+      a2 = _mm256_fmadd_ps(w, _mm256_load_ps(x + 16), a2);
+      a3 = _mm256_fmadd_ps(w, _mm256_load_ps(x + 24), a3);
+      a4 = _mm256_fmadd_ps(w, _mm256_load_ps(x + 32), a4);
+      a5 = _mm256_fmadd_ps(w, _mm256_load_ps(x + 40), a5);
+      a6 = _mm256_fmadd_ps(w, _mm256_load_ps(x + 48), a6);
+      a7 = _mm256_fmadd_ps(w, _mm256_load_ps(x + 56), a7);
+    }
+    _mm256_store_ps(acc + c0, a0);
+    _mm256_store_ps(acc + c0 + 8, a1);
+    _mm256_store_ps(acc + c0 + 16, a2);
+    _mm256_store_ps(acc + c0 + 24, a3);
+    _mm256_store_ps(acc + c0 + 32, a4);
+    _mm256_store_ps(acc + c0 + 40, a5);
+    _mm256_store_ps(acc + c0 + 48, a6);
+    _mm256_store_ps(acc + c0 + 56, a7);
+  }
+  for (; c0 < dp; c0 += 8) {
+    __m256 a = _mm256_load_ps(acc + c0);
+    for (int t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(weight(t)), _mm256_load_ps(row(t) + c0), a);
+    _mm256_store_ps(acc + c0, a);
+  }
+}
+
 /// Per-thread state: the packed keys and values of one (batch, kv head) and the task scratch.
 struct workspace {
   std::int64_t packed_b = -1, packed_hk = -1;
@@ -147,8 +185,10 @@ struct workspace {
   aligned_buffer<float> kt, vp, q, s, acc, comp_val, row_max, row_sum;
   aligned_buffer<std::int32_t> comp_idx, row_nan;
   // Backward only: K rows, dK and dV accumulators of the (batch, kv head), the dO tile, per-row
-  // D = rowsum(dO * O) and LSE * log2(e), and the kept probabilities and scaled dS of one row tile.
-  aligned_buffer<float> kr, dk, dv, dout, row_d, row_lse2, comp_p, comp_ds, vt, dps;
+  // D = rowsum(dO * O) and LSE * log2(e), the kept probabilities and scaled dS of one row, and the
+  // key-major P and scaled dS of one (row tile, key tile) block (zero where a key was not kept).
+  aligned_buffer<float> kr, dk, dv, dout, row_d, row_lse2, comp_p, comp_ds, vt, dps, p_keys, ds_keys;
+  aligned_buffer<float> dbias_acc;  ///< fp32 sum of a shared 16-bit dBias slice [Lq, Lk]
 };
 
 template <typename T>
@@ -199,6 +239,10 @@ class fused_avx2 {
         ws.dout.resize(tile_rows);
         ws.comp_p.resize(compact);
         ws.comp_ds.resize(compact);
+        // One slot per key of the tile plus a spill slot for the generic selection's padding.
+        const auto block = static_cast<std::size_t>((w_ + 1) * kRowsPerTask);
+        ws.p_keys.resize(block);
+        ws.ds_keys.resize(block);
         ws.row_d.resize(kRowsPerTask);
         ws.row_lse2.resize(kRowsPerTask);
       }
@@ -234,19 +278,54 @@ class fused_avx2 {
     if (out_of_memory) throw std::bad_alloc();
   }
 
-  /// Backward pass (see fused_backward_avx2): one task per (batch, kv head).
+  /// Backward pass (see fused_backward_avx2): one task per (batch, kv head), or per group of them
+  /// when dBias broadcasts over the batch or the heads: a task then owns every (batch, kv head) that
+  /// adds into the same dBias entries and visits them in a fixed order (deterministic, no atomics).
   void run_backward() {
-    const std::int64_t tasks = p_.batch * p_.heads_kv;
+    const bool dbias_over_b = p_.dbias != nullptr && p_.dbias_stride[0] == 0 && p_.batch > 1;
+    const bool dbias_over_h = p_.dbias != nullptr && p_.dbias_stride[1] == 0 && p_.heads > 1;
+    const std::int64_t task_b = dbias_over_b ? 1 : p_.batch, task_hk = dbias_over_h ? 1 : p_.heads_kv;
+    const std::int64_t tasks = task_b * task_hk;
+    // A shared 16-bit dBias is summed in fp32 scratch and rounded once, like the reference's single
+    // rounding; f32 and f64 dBias are summed in place.
+    const bool shared = dbias_over_b || dbias_over_h;
+    const bool scratch = shared && p_.bias_type != dtype::f32 && p_.bias_type != dtype::f64;
     const int threads = p_.num_threads > 0 ? p_.num_threads : omp_get_max_threads();
     std::atomic<bool> out_of_memory{false};
 #pragma omp parallel num_threads(threads)
     {
       workspace& ws = thread_workspace();
-      const bool ready = reserve(ws, /*backward=*/true);
+      bool ready = reserve(ws, /*backward=*/true);
+      if (ready && scratch) {
+        try {
+          ws.dbias_acc.resize(static_cast<std::size_t>((dbias_over_h ? 1 : group_) * p_.seqlen_q * p_.seqlen_k));
+        } catch (const std::bad_alloc&) {
+          ready = false;
+        }
+      }
       if (!ready) out_of_memory = true;
 #pragma omp for schedule(static)
-      for (std::int64_t t = 0; t < tasks; ++t)
-        if (ready) backward_task(ws, t);
+      for (std::int64_t t = 0; t < tasks; ++t) {
+        if (!ready) continue;
+        const std::int64_t tb = t / task_hk, thk = t % task_hk;
+        // The scratch holds the task's dBias slices: one [Lq, Lk] slice, or (shared over the batch
+        // only) one per head of the kv head's group, indexed from its first head.
+        dbias_sink sink = direct_dbias_sink();
+        if (scratch) {
+          const std::int64_t slice = p_.seqlen_q * p_.seqlen_k;
+          sink = {ws.dbias_acc.ptr, dtype::f32, {0, dbias_over_h ? 0 : slice, p_.seqlen_k, 1}, dbias_over_h ? 0 : thk * group_};
+        }
+        for (std::int64_t b = dbias_over_b ? 0 : tb; b < (dbias_over_b ? p_.batch : tb + 1); ++b) {
+          for (std::int64_t hk = dbias_over_h ? 0 : thk; hk < (dbias_over_h ? p_.heads_kv : thk + 1); ++hk) {
+            backward_task(ws, b, hk, sink, /*first_b=*/!dbias_over_b || b == 0);
+          }
+        }
+        if (scratch) {
+          for (std::int64_t g = 0; g < (dbias_over_h ? 1 : group_); ++g) {
+            flush_dbias(ws.dbias_acc.ptr + g * p_.seqlen_q * p_.seqlen_k, tb, dbias_over_h ? 0 : thk * group_ + g);
+          }
+        }
+      }
     }
     if (out_of_memory) throw std::bad_alloc();
   }
@@ -568,8 +647,35 @@ class fused_avx2 {
     }
   }
 
-  void backward_task(workspace& ws, std::int64_t t) {
-    const std::int64_t b = t / p_.heads_kv, hk = t % p_.heads_kv;
+  /// Where dBias goes: the output itself, or an fp32 [Lq, Lk] scratch for a shared 16-bit dBias.
+  struct dbias_sink {
+    void* base;
+    dtype type;
+    std::int64_t stride[4];  ///< [b, h, i, j]; 0 for a dimension that is summed over
+    std::int64_t h0;         ///< first head held (the scratch holds a kv head group's heads)
+    std::int64_t at(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+      return b * stride[0] + (h - h0) * stride[1] + i * stride[2] + j * stride[3];
+    }
+  };
+
+  dbias_sink direct_dbias_sink() const {
+    return {p_.dbias, p_.bias_type, {p_.dbias_stride[0], p_.dbias_stride[1], p_.dbias_stride[2], p_.dbias_stride[3]}, 0};
+  }
+
+  /// Rounds the fp32 scratch sum of a shared dBias slice (batch b, head h unless broadcast) into dBias.
+  void flush_dbias(const float* acc, std::int64_t b, std::int64_t h) const {
+    const std::int64_t base = b * p_.dbias_stride[0] + h * p_.dbias_stride[1];
+    for (std::int64_t i = 0; i < p_.seqlen_q; ++i) {
+      for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
+        core::store_from_double(p_.dbias, p_.bias_type, base + i * p_.dbias_stride[2] + j * p_.dbias_stride[3],
+                                static_cast<double>(acc[i * p_.seqlen_k + j]));
+      }
+    }
+  }
+
+  /// dQ, dK, dV of (batch b, kv head hk), and its heads' dBias into @p sink: written by the first
+  /// contributor to an entry (@p first_b and, for a dBias shared over heads, head 0), added after.
+  void backward_task(workspace& ws, std::int64_t b, std::int64_t hk, const dbias_sink& sink, bool first_b) {
     pack_head(ws, b, hk);
     for (std::int64_t j = 0; j <= lk_pad_; ++j) load_row(p_.k, p_.k_stride, b, j, hk, j < p_.seqlen_k, ws.kr.ptr + j * dp_);
     // V^T in 16-key panels like K, so that dP = dO V^T runs on the same micro-kernel as S = Q K^T.
@@ -585,7 +691,10 @@ class fused_avx2 {
     bool head_nan = false;
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
     for (std::int64_t h = hk * group_; h < (hk + 1) * group_; ++h) {
-      for (std::int64_t qt = 0; qt < q_tiles; ++qt) head_nan |= backward_tile(ws, b, h, qt * kRowsPerTask);
+      const bool first = first_b && (sink.stride[1] != 0 || h == 0);
+      for (std::int64_t qt = 0; qt < q_tiles; ++qt) {
+        head_nan |= backward_tile(ws, b, h, qt * kRowsPerTask, sink, first);
+      }
     }
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
@@ -602,7 +711,8 @@ class fused_avx2 {
   /// Query rows i0 .. i0 + 31 of head h: dQ written, dK and dV accumulated. Returns whether a NaN
   /// score was met (the caller then marks the whole kv head's dK and dV NaN, as a NaN reaches every
   /// key's gradient in dense attention too).
-  bool backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0) {
+  bool backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, const dbias_sink& sink,
+                     bool first) {
     const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
     const int rows4 = (rows + 3) / 4 * 4;
     float* q = ws.q.ptr;
@@ -626,13 +736,10 @@ class fused_avx2 {
       tile_end = std::max(tile_end, key_limit(b, i0 + i));
     }
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
-    if (p_.dbias != nullptr) {
+    if (p_.dbias != nullptr && first) {
       for (int i = 0; i < rows; ++i) {
         for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
-          core::store_from_double(p_.dbias, p_.bias_type,
-                                  b * p_.dbias_stride[0] + h * p_.dbias_stride[1] + (i0 + i) * p_.dbias_stride[2] +
-                                      j * p_.dbias_stride[3],
-                                  0.0);
+          core::store_from_double(sink.base, sink.type, sink.at(b, h, i0 + i, j), 0.0);
         }
       }
     }
@@ -644,7 +751,9 @@ class fused_avx2 {
           microkernel_4x16(dout + i * dp_, dp_, ws.vt.ptr + panel, dp_, ws.dps.ptr + i * w_ + jb, w_);
         }
       }
-      for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0);
+      std::fill(ws.p_keys.ptr, ws.p_keys.ptr + w_ * kRowsPerTask, 0.0f);
+      for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0, sink, first);
+      accumulate_dk_dv(ws, j0);
     }
     bool any_nan = false;
     const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -661,7 +770,8 @@ class fused_avx2 {
 
   /// One row against one key tile: the forward's scores and selection, then
   /// P = exp(scale * S - LSE), dS = P (dO . V - D), dQ += scale dS K, dK += scale dS q, dV += P dO.
-  void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0) {
+  void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
+                    const dbias_sink& sink, bool first) {
     const std::int64_t lim = key_limit(b, qi);
     const float lse2 = ws.row_lse2.ptr[i];
     if (j0 >= lim || lse2 == -std::numeric_limits<float>::infinity() || ws.row_nan.ptr[i] != 0) return;
@@ -677,8 +787,6 @@ class fused_avx2 {
     float* cds = ws.comp_ds.ptr;
     float tile_max = 0.0f;
     const int kept = compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max);
-    const float* dout = ws.dout.ptr + static_cast<std::int64_t>(i) * dp_;
-    const float* qrow = ws.q.ptr + static_cast<std::int64_t>(i) * dp_;
     const float d_row = ws.row_d.ptr[i];
     const float scale = static_cast<float>(p_.scale);
     const __m256 vc = _mm256_set1_ps(c_), vlse = _mm256_set1_ps(lse2);
@@ -695,37 +803,59 @@ class fused_avx2 {
       _mm256_store_ps(cp + t, pv);
       _mm256_store_ps(cds + t, _mm256_mul_ps(_mm256_set1_ps(scale), ds));
     }
-    float* dq = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
-    // dQ += scale dS K over the kept keys, the dQ row held in registers (64 columns at a time).
-    for (int c0 = 0; c0 < dp_; c0 += 64) {
-      const int nv = std::min(8, (dp_ - c0) / 8);
-      __m256 a[8];
-      for (int r = 0; r < nv; ++r) a[r] = _mm256_load_ps(dq + c0 + 8 * r);
-      for (int t = 0; t < kept; ++t) {
-        if (cp[t] == 0.0f) continue;  // masked, or underflowed: no contribution
-        const __m256 sds = _mm256_set1_ps(cds[t]);
-        const float* krow = ws.kr.ptr + static_cast<std::int64_t>(ci[t]) * dp_ + c0;
-        for (int r = 0; r < nv; ++r) a[r] = _mm256_fmadd_ps(sds, _mm256_load_ps(krow + 8 * r), a[r]);
-      }
-      for (int r = 0; r < nv; ++r) _mm256_store_ps(dq + c0 + 8 * r, a[r]);
-    }
-    // dK += scale dS^T q and dV += P^T dO for the kept keys (accumulated in the task's buffers).
+    // dQ += scale dS K over the kept keys (a gather of K rows, the dQ row held in registers).
+    const float* kr = ws.kr.ptr;
+    add_row_combination(
+        ws.acc.ptr + static_cast<std::int64_t>(i) * dp_, dp_, kept, [&](int t) { return cds[t]; },
+        [&](int t) { return kr + static_cast<std::int64_t>(ci[t]) * dp_; });
+    // P and dS go to the key-major block for accumulate_dk_dv; padding slots (the generic
+    // selection's, whose index is the zero row) land in the spill slot w_, which is never read.
+    float* pk = ws.p_keys.ptr;
+    float* dsk = ws.ds_keys.ptr;
     for (int t = 0; t < kept; ++t) {
-      if (cp[t] == 0.0f) continue;
-      const std::int64_t j = ci[t];
-      const __m256 sds = _mm256_set1_ps(cds[t]), pj = _mm256_set1_ps(cp[t]);
-      float* dkrow = ws.dk.ptr + j * dp_;
-      float* dvrow = ws.dv.ptr + j * dp_;
-      for (int c = 0; c < dp_; c += 8) {
-        _mm256_store_ps(dkrow + c, _mm256_fmadd_ps(sds, _mm256_load_ps(qrow + c), _mm256_load_ps(dkrow + c)));
-        _mm256_store_ps(dvrow + c, _mm256_fmadd_ps(pj, _mm256_load_ps(dout + c), _mm256_load_ps(dvrow + c)));
+      const std::int64_t slot = std::min<std::int64_t>(ci[t] - j0, w_) * kRowsPerTask + i;
+      pk[slot] = cp[t];
+      dsk[slot] = cds[t];
+    }
+    if (p_.dbias != nullptr) {
+      for (int t = 0; t < kept; ++t) {
+        if (cp[t] == 0.0f) continue;
+        const std::int64_t at = sink.at(b, h, qi, ci[t]);
+        const double prior = first ? 0.0 : core::load_as_double(sink.base, sink.type, at);
+        core::store_from_double(sink.base, sink.type, at, prior + static_cast<double>(cds[t]));
       }
-      if (p_.dbias != nullptr) {
-        core::store_from_double(p_.dbias, p_.bias_type,
-                                b * p_.dbias_stride[0] + h * p_.dbias_stride[1] + qi * p_.dbias_stride[2] +
-                                    j * p_.dbias_stride[3],
-                                static_cast<double>(cds[t]));
+    }
+  }
+
+  /// dV += P^T dO and dK += scale dS^T Q for the keys of the tile at j0, from the key-major block the
+  /// rows of the tile filled: per key, a gather over the query rows that kept it, so that each dK and
+  /// dV row is read and written once per (row tile, key tile) and pruned entries cost nothing.
+  void accumulate_dk_dv(workspace& ws, std::int64_t j0) {
+    const std::int64_t keys = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
+    const __m256 zero = _mm256_setzero_ps();
+    int rows[kRowsPerTask];
+    for (std::int64_t k = 0; k < keys; ++k) {
+      const float* pk = ws.p_keys.ptr + k * kRowsPerTask;
+      const float* dsk = ws.ds_keys.ptr + k * kRowsPerTask;
+      // Rows with P != 0: kept, unmasked and not underflowed (P = 0 contributes nothing to either).
+      std::uint32_t live = 0;
+      for (int r = 0; r < kRowsPerTask; r += 8) {
+        const auto bits = static_cast<std::uint32_t>(
+            _mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(pk + r), zero, _CMP_NEQ_UQ)));
+        live |= bits << r;
       }
+      if (live == 0) continue;
+      int n = 0;
+      for (; live != 0; live &= live - 1) rows[n++] = __builtin_ctz(live);
+      const std::int64_t j = j0 + k;
+      const float* dout = ws.dout.ptr;
+      const float* q = ws.q.ptr;
+      add_row_combination(
+          ws.dv.ptr + j * dp_, dp_, n, [&](int t) { return pk[rows[t]]; },
+          [&](int t) { return dout + static_cast<std::int64_t>(rows[t]) * dp_; });
+      add_row_combination(
+          ws.dk.ptr + j * dp_, dp_, n, [&](int t) { return dsk[rows[t]]; },
+          [&](int t) { return q + static_cast<std::int64_t>(rows[t]) * dp_; });
     }
   }
 

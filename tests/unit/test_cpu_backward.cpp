@@ -8,6 +8,10 @@
 // half an ulp of a 16-bit output type on top.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+
 #include "common/run.hpp"
 #include "common/testing.hpp"
 
@@ -70,7 +74,9 @@ std::vector<problem> backward_shapes(std::mt19937_64& rng) {
       p.B = s.B, p.Lq = s.Lq, p.Lk = s.Lk, p.H = s.H, p.Hkv = s.Hkv, p.d = s.d, p.pat = pat;
       p.causal = variant % 2 == 1;
       p.has_bias = variant % 3 == 1;
-      p.bias_b = p.bias_h = true;  // dbias without broadcast dimensions (the cpu kernel's case)
+      // dBias with a real batch and head dimension, and broadcast over either or both (summed).
+      p.bias_b = variant % 5 != 1;
+      p.bias_h = variant % 5 != 2 && variant % 5 != 1;
       if (variant % 4 == 3) {
         for (std::int64_t b = 0; b < p.B; ++b) p.key_lengths.push_back(b == 1 ? 0 : p.Lk - p.Lk / 3);
       }
@@ -98,9 +104,160 @@ TEST(CpuBackward, MatchesReferenceOnExactScores) {
       expect_grad_close(got.dq, want.dq, static_cast<double>(pr.Lk), dtype::f32, what + " dq");
       expect_grad_close(got.dk, want.dk, group * static_cast<double>(pr.Lq), dtype::f32, what + " dk");
       expect_grad_close(got.dv, want.dv, group * static_cast<double>(pr.Lq), dtype::f32, what + " dv");
-      if (pr.has_bias) expect_grad_close(got.dbias, want.dbias, 1.0, dtype::f32, what + " dbias");
+      if (pr.has_bias) {
+        // A broadcast dBias entry sums over the B and/or H contributions it stands for.
+        const double summed = (pr.bias_b ? 1.0 : static_cast<double>(pr.B)) * (pr.bias_h ? 1.0 : static_cast<double>(pr.H));
+        expect_grad_close(got.dbias, want.dbias, summed, dtype::f32, what + " dbias");
+      }
       if (::testing::Test::HasFatalFailure()) return;
     }
+  }
+}
+
+/// Rounds every input of @p pr to values of type T, so that the fp64 reference (differentiated by
+/// finite differences) and the cpu kernel (reading T) compute the same function.
+template <typename T>
+void round_inputs_to(problem& pr) {
+  for (auto* x : {&pr.q, &pr.k, &pr.v, &pr.dout, &pr.bias})
+    for (auto& e : *x)
+      if (std::isfinite(e)) e = to_double(from_double<T>(e));
+}
+
+void round_inputs(problem& pr, dtype t) {
+  if (t == dtype::f32) round_inputs_to<float>(pr);
+  if (t == dtype::f16) round_inputs_to<half>(pr);
+  if (t == dtype::bf16) round_inputs_to<bfloat16>(pr);
+}
+
+TEST(CpuBackward, MatchesFiniteDifferencesOfTheReferenceForward) {
+  // The fast kernel's gradients against central differences of the fp64 reference forward of
+  // L = sum(O * dO), on real-valued inputs (rounded to the storage type) whose selection is at least
+  // 1e-2 from flipping: a step of h = 1e-5 moves a score by under 1e-4, so the selection is fixed.
+  // Rows with no visible key (key length 0, causal rows above the diagonal when Lq > Lk) must get
+  // exactly zero dQ, never NaN.
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  std::mt19937_64 rng(test_seed() + 35);
+  const double h = 1e-5;
+  struct shape {
+    std::int64_t B, Lq, Lk, H, Hkv, d;
+    bool bias, bias_h;
+  };
+  const shape shapes[] = {{2, 5, 11, 2, 1, 4, true, false}, {1, 7, 4, 2, 2, 3, true, true}, {2, 3, 13, 3, 3, 5, false, false}};
+  int variant = 0;
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 8}, pattern{1, 1}, pattern{2, 3}}) {
+    for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
+      const shape& sh = shapes[variant % 3];
+      problem pr;
+      pr.B = sh.B, pr.Lq = sh.Lq, pr.Lk = sh.Lk, pr.H = sh.H, pr.Hkv = sh.Hkv, pr.d = sh.d, pr.pat = pat;
+      pr.causal = true;
+      pr.has_bias = sh.bias, pr.bias_b = true, pr.bias_h = sh.bias_h;
+      if (pr.B == 2) pr.key_lengths = {0, pr.Lk - 2};
+      ++variant;
+      std::vector<double> gaps;
+      do {
+        fill(pr, rng);
+        round_inputs(pr, t);
+        gaps = selection_gaps(pr);
+      } while (*std::min_element(gaps.begin(), gaps.end()) < 1e-2);
+      run_options opt;
+      opt.type = t;
+      opt.out_type = dtype::f32;
+      opt.backend = backend::cpu;
+      const auto g = run_backward(pr, opt);
+      auto loss = [](const problem& p) {
+        run_options one;
+        one.threads = 1;  // thousands of tiny calls: no thread start-up per call
+        const auto o = run_forward(p, one).o;
+        double l = 0;
+        for (std::size_t x = 0; x < o.size(); ++x) l += o[x] * p.dout[x];
+        return l;
+      };
+      // Query rows that see no key at all (in [B, Lq, H, d] order): their dQ is exactly zero.
+      auto empty_row = [&](std::size_t x) {
+        const auto at = static_cast<std::int64_t>(x) / (pr.H * pr.d);
+        const std::int64_t i = at % pr.Lq, b = at / pr.Lq;
+        const std::int64_t len = pr.key_lengths.empty() ? pr.Lk : pr.key_lengths[static_cast<std::size_t>(b)];
+        return std::min(len, i + pr.Lk - pr.Lq + 1) <= 0;
+      };
+      auto check = [&](std::vector<double> problem::*field, const std::vector<double>& grad, const char* name) {
+        ASSERT_EQ(grad.size(), (pr.*field).size()) << name;
+        for (std::size_t x = 0; x < grad.size(); ++x) {
+          if (!std::isfinite((pr.*field)[x])) continue;  // -inf bias entries have no derivative
+          problem plus = pr, minus = pr;
+          (plus.*field)[x] += h;
+          (minus.*field)[x] -= h;
+          const double fd = (loss(plus) - loss(minus)) / (2 * h);
+          const std::string what = std::string(name) + "[" + std::to_string(x) + "] " + pr.describe() + " " + dtype_name(t);
+          // fp32 kernel error ~ 64 terms * 6e-8; difference error ~ h^2 + 1e-16 / h: 1e-4 covers
+          // both with room, while a wrong gradient is off by its own size (0.01 to 1 here).
+          ASSERT_NEAR(grad[x], fd, 1e-4) << what;
+          if (field == &problem::q && empty_row(x)) {
+            ASSERT_EQ(grad[x], 0.0) << what << " (row sees no key)";
+          }
+        }
+      };
+      check(&problem::q, g.dq, "dq");
+      check(&problem::k, g.dk, "dk");
+      check(&problem::v, g.dv, "dv");
+      if (pr.has_bias) check(&problem::bias, g.dbias, "dbias");
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST(CpuBackward, BroadcastDbiasInEveryStorageType) {
+  // dBias broadcast over the batch, the heads or both is the sum of the per-(b, h) gradients; 16-bit
+  // storage is summed in fp32 and rounded once. Also bitwise identical for any thread count.
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  std::mt19937_64 rng(test_seed() + 36);
+  for (int form = 0; form < 3; ++form) {
+    problem pr;
+    pr.B = 3, pr.Lq = 9, pr.Lk = 21, pr.H = 4, pr.Hkv = 2, pr.d = 8, pr.pat = {2, 4};
+    pr.has_bias = true, pr.bias_b = form == 1, pr.bias_h = form == 0;
+    fill(pr, rng, /*integers=*/true);
+    for (auto& e : pr.bias)
+      if (std::isfinite(e)) e *= 0.25;  // exact in every storage type, scores stay exact in fp32
+    const auto want = run_backward(pr);
+    const std::int64_t Bb = pr.bias_b ? pr.B : 1, Hb = pr.bias_h ? pr.H : 1;
+    const double summed = static_cast<double>((pr.B / Bb) * (pr.H / Hb));
+    auto check_type = [&]<typename T>() {
+      std::vector<T> bias(pr.bias.size()), dbias(pr.bias.size());
+      for (std::size_t x = 0; x < bias.size(); ++x) bias[x] = from_double<T>(pr.bias[x]);
+      std::vector<float> q(pr.q.begin(), pr.q.end()), k(pr.k.begin(), pr.k.end()), v(pr.v.begin(), pr.v.end()),
+          dout(pr.dout.begin(), pr.dout.end()), dq(q.size()), dk(k.size()), dv(v.size());
+      std::vector<double> got, first;
+      for (int threads : {1, 2, 3}) {
+        backward_args a;
+        a.q = make_view(q.data(), {pr.B, pr.Lq, pr.H, pr.d});
+        a.k = make_view(k.data(), {pr.B, pr.Lk, pr.Hkv, pr.d});
+        a.v = make_view(v.data(), {pr.B, pr.Lk, pr.Hkv, pr.d});
+        a.dout = make_view(dout.data(), {pr.B, pr.Lq, pr.H, pr.d});
+        a.dq = make_view(dq.data(), {pr.B, pr.Lq, pr.H, pr.d});
+        a.dk = make_view(dk.data(), {pr.B, pr.Lk, pr.Hkv, pr.d});
+        a.dv = make_view(dv.data(), {pr.B, pr.Lk, pr.Hkv, pr.d});
+        a.bias = make_view(bias.data(), {Bb, Hb, pr.Lq, pr.Lk});
+        a.dbias = make_view(dbias.data(), {Bb, Hb, pr.Lq, pr.Lk});
+        attention_config cfg;
+        cfg.pattern = pr.pat;
+        cfg.backend = backend::cpu;
+        cfg.num_threads = threads;
+        std::fill(dbias.begin(), dbias.end(), from_double<T>(kNaN));
+        attention_backward(a, cfg);
+        got.assign(dbias.size(), 0.0);
+        for (std::size_t x = 0; x < got.size(); ++x) got[x] = to_double(dbias[x]);
+        if (threads == 1) first = got;
+        for (std::size_t x = 0; x < got.size(); ++x) {
+          ASSERT_TRUE(std::bit_cast<std::uint64_t>(got[x]) == std::bit_cast<std::uint64_t>(first[x]))
+              << "threads " << threads << " at " << x;
+        }
+      }
+      const dtype out = dtype_of<T>() == dtype::bf16 ? dtype::bf16 : dtype::f32;
+      expect_grad_close(got, want.dbias, summed, out, pr.describe() + " dbias " + dtype_name(dtype_of<T>()));
+    };
+    check_type.template operator()<float>();
+    check_type.template operator()<bfloat16>();
+    check_type.template operator()<double>();
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 

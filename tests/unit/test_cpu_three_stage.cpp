@@ -517,6 +517,12 @@ TEST(CpuThreeStage, NaNInValuesReachesOnlyRowsThatKeepTheKey) {
   problem pr;
   pr.B = 1, pr.Lq = 40, pr.Lk = 16, pr.d = 3, pr.pat = {1, 4};
   fill(pr, rng, true);
+  // Row 0 surely keeps key 5 (its score 9 against -9 for keys 4, 6 and 7); the other rows decide
+  // by their random queries.
+  for (std::int64_t c = 0; c < pr.d; ++c) {
+    pr.q[static_cast<std::size_t>(c)] = 1;
+    for (std::int64_t j : {4, 5, 6, 7}) pr.k[static_cast<std::size_t>(j * pr.d + c)] = j == 5 ? 3 : -3;
+  }
   pr.v[static_cast<std::size_t>(5 * 3 + 1)] = kNaN;  // key 5, channel 1
   ts_options opt;
   opt.compressed = true;

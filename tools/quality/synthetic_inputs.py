@@ -13,11 +13,12 @@ learned. Trained transformers show a few recurring head types instead; this scri
 - a sink: the first tokens have a large component along one direction that every query shares (the
   "attention sink" on [CLS] / BOS seen in BERT and GPT models).
 
-Heads cycle through four mixtures: mostly local, mostly content, sink + content, and an even mix.
-Every draw comes from numpy.random.default_rng(seed), so a seed fixes the files.
+Heads cycle through four mixtures: 0 mostly local, 1 mostly content, 2 sink + content, 3 an even
+mix (--mixture T gives every head mixture T). Every draw comes from numpy.random.default_rng(seed),
+so a seed fixes the files.
 
 Usage: synthetic_inputs.py OUT_DIR [--batch 1] [--length 512] [--heads 8] [--head-dim 64] [--seed 1]
-writes OUT_DIR/q.npy, OUT_DIR/k.npy, OUT_DIR/v.npy.
+[--mixture T] writes OUT_DIR/q.npy, OUT_DIR/k.npy, OUT_DIR/v.npy.
 """
 import argparse
 import os
@@ -32,7 +33,7 @@ TOPICS = 16
 SINK_TOKENS = 2
 
 
-def make(batch, length, heads, head_dim, seed):
+def make(batch, length, heads, head_dim, seed, mixture=None):
     rng = np.random.default_rng(seed)
     d = head_dim
     n_freq = d // 4  # the positional part uses d/2 dimensions (a cos and a sin per frequency)
@@ -41,7 +42,7 @@ def make(batch, length, heads, head_dim, seed):
     v = np.zeros((batch, length, heads, d))
     pos = np.arange(length)
     for h in range(heads):
-        local, content, sink = HEAD_MIXTURES[h % len(HEAD_MIXTURES)]
+        local, content, sink = HEAD_MIXTURES[h % len(HEAD_MIXTURES) if mixture is None else mixture]
         # Positional part: the same rotary-style code for queries and keys, frequencies from 1/2 to
         # 1/256 radian per position (profiles a few to a few hundred tokens wide), so that
         # q_i . k_j = (9 local / n_freq) sum_f cos(w_f (i - j)): 9 * local score units at j = i,
@@ -88,9 +89,10 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--mixture", type=int, choices=range(len(HEAD_MIXTURES)), help="one head type for all heads")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
-    q, k, v = make(a.batch, a.length, a.heads, a.head_dim, a.seed)
+    q, k, v = make(a.batch, a.length, a.heads, a.head_dim, a.seed, a.mixture)
     for name, x in (("q", q), ("k", k), ("v", v)):
         np.save(os.path.join(a.out_dir, name + ".npy"), x)
 

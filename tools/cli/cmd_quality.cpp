@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -262,59 +263,68 @@ int run_quality(const quality_options& o) {
     auto unsupported = [&](ql::method m) { return m == ql::method::nystrom && o.causal; };
     std::vector<std::vector<cell>> per_head(static_cast<std::size_t>(B * H), std::vector<cell>(n_cells));
     const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+    std::vector<std::exception_ptr> failures(static_cast<std::size_t>(B * H));
     // One task per head; each head writes only its own cells and the cells are merged in head order
     // below, so the table does not depend on the thread count.
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (std::int64_t bh = 0; bh < B * H; ++bh) {
-      const std::int64_t b = bh / H, h = bh % H, hk = h / (H / Hkv);
-      ql::head hd;
-      hd.q = head_slice(q, b, h);
-      hd.k = head_slice(k, b, hk);
-      hd.v = head_slice(v, b, hk);
-      hd.scale = scale;
-      hd.causal = o.causal;
-      const ql::matrix s = ql::scores(hd);
-      const ql::matrix p = ql::full_probabilities(hd);
-      const ql::matrix exact = ql::matmul(p, hd.v);
-      std::vector<char> has_keys(static_cast<std::size_t>(Lq));
-      for (std::int64_t i = 0; i < Lq; ++i) has_keys[static_cast<std::size_t>(i)] = ql::visible_keys(i, Lq, Lk, o.causal) > 0;
-      const auto stream = static_cast<std::uint64_t>(bh);
-      for (std::size_t pi = 0; pi < patterns.size(); ++pi) {
-        const std::vector<std::int64_t> budget = ql::row_budgets(hd, patterns[pi]);
-        const std::int64_t features = ql::nm_budget(Lk, patterns[pi]);
-        for (std::size_t mi = 0; mi < methods.size(); ++mi) {
-          const ql::method m = methods[mi];
-          if (unsupported(m)) continue;
-          cell& c = per_head[static_cast<std::size_t>(bh)][pi * methods.size() + mi];
-          ql::key_sets keep;
-          ql::matrix approx;
-          const std::uint64_t method_stream = stream * 8 + static_cast<std::uint64_t>(m);
-          switch (m) {
-            case ql::method::dfss: {
-              keep = ql::select_nm(s, patterns[pi]);
-              approx = output_slice(kernel_out[pi], Lq, H, d, b, h);
-              const ql::matrix function = ql::sparse_attention(hd, keep);
-              c.function_err.add(function, exact);
-              c.kernel_vs_function.add(approx, function);
-              break;
+      try {
+        const std::int64_t b = bh / H, h = bh % H, hk = h / (H / Hkv);
+        ql::head hd;
+        hd.q = head_slice(q, b, h);
+        hd.k = head_slice(k, b, hk);
+        hd.v = head_slice(v, b, hk);
+        hd.scale = scale;
+        hd.causal = o.causal;
+        const ql::matrix s = ql::scores(hd);
+        const ql::matrix p = ql::full_probabilities(hd);
+        const ql::matrix exact = ql::matmul(p, hd.v);
+        std::vector<char> has_keys(static_cast<std::size_t>(Lq));
+        for (std::int64_t i = 0; i < Lq; ++i) has_keys[static_cast<std::size_t>(i)] = ql::visible_keys(i, Lq, Lk, o.causal) > 0;
+        const auto stream = static_cast<std::uint64_t>(bh);
+        for (std::size_t pi = 0; pi < patterns.size(); ++pi) {
+          const std::vector<std::int64_t> budget = ql::row_budgets(hd, patterns[pi]);
+          const std::int64_t features = ql::nm_budget(Lk, patterns[pi]);
+          for (std::size_t mi = 0; mi < methods.size(); ++mi) {
+            const ql::method m = methods[mi];
+            if (unsupported(m)) continue;
+            cell& c = per_head[static_cast<std::size_t>(bh)][pi * methods.size() + mi];
+            ql::key_sets keep;
+            ql::matrix approx;
+            const std::uint64_t method_stream = stream * 8 + static_cast<std::uint64_t>(m);
+            switch (m) {
+              case ql::method::dfss: {
+                keep = ql::select_nm(s, patterns[pi]);
+                approx = output_slice(kernel_out[pi], Lq, H, d, b, h);
+                const ql::matrix function = ql::sparse_attention(hd, keep);
+                c.function_err.add(function, exact);
+                c.kernel_vs_function.add(approx, function);
+                break;
+              }
+              case ql::method::topk: keep = ql::select_topk(s, budget); break;
+              case ql::method::window: keep = ql::select_window(Lq, Lk, o.causal, budget); break;
+              case ql::method::random: keep = ql::select_random(Lq, Lk, o.causal, budget, o.seed, method_stream); break;
+              case ql::method::bigbird: keep = ql::select_bigbird(Lq, Lk, o.causal, budget, o.seed, method_stream); break;
+              case ql::method::performer: approx = ql::performer_attention(hd, features, o.seed, method_stream); break;
+              case ql::method::nystrom: approx = ql::nystrom_attention(hd, features); break;
             }
-            case ql::method::topk: keep = ql::select_topk(s, budget); break;
-            case ql::method::window: keep = ql::select_window(Lq, Lk, o.causal, budget); break;
-            case ql::method::random: keep = ql::select_random(Lq, Lk, o.causal, budget, o.seed, method_stream); break;
-            case ql::method::bigbird: keep = ql::select_bigbird(Lq, Lk, o.causal, budget, o.seed, method_stream); break;
-            case ql::method::performer: approx = ql::performer_attention(hd, features, o.seed, method_stream); break;
-            case ql::method::nystrom: approx = ql::nystrom_attention(hd, features); break;
-          }
-          if (ql::is_sparse(m) && m != ql::method::dfss) approx = ql::sparse_attention(hd, keep);
-          c.err.add(approx, exact);
-          const std::vector<double> mass = ql::is_sparse(m) ? ql::kept_mass(p, keep) : std::vector<double>{};
-          for (std::int64_t i = 0; i < Lq; ++i) {
-            if (!has_keys[static_cast<std::size_t>(i)]) continue;
-            c.cos.push_back(ql::cosine(approx.row(i), exact.row(i), d));
-            if (ql::is_sparse(m)) c.mass.push_back(mass[static_cast<std::size_t>(i)]);
+            if (ql::is_sparse(m) && m != ql::method::dfss) approx = ql::sparse_attention(hd, keep);
+            c.err.add(approx, exact);
+            const std::vector<double> mass = ql::is_sparse(m) ? ql::kept_mass(p, keep) : std::vector<double>{};
+            for (std::int64_t i = 0; i < Lq; ++i) {
+              if (!has_keys[static_cast<std::size_t>(i)]) continue;
+              c.cos.push_back(ql::cosine(approx.row(i), exact.row(i), d));
+              if (ql::is_sparse(m)) c.mass.push_back(mass[static_cast<std::size_t>(i)]);
+            }
           }
         }
+      } catch (...) {
+        // An exception must not leave an OpenMP region: it is kept and rethrown after the loop.
+        failures[static_cast<std::size_t>(bh)] = std::current_exception();
       }
+    }
+    for (const auto& f : failures) {
+      if (f) std::rethrow_exception(f);
     }
 
     std::vector<table_row> rows;

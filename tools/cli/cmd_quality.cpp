@@ -206,6 +206,12 @@ int run_quality(const quality_options& o) {
     std::vector<ql::method> methods;
     for (const auto& m : o.methods) methods.push_back(ql::parse_method(m, "--methods"));
     if (o.threads < 0) return fail("--threads: expected a count >= 0, got " + std::to_string(o.threads));
+    // Opened before the work, so that an unwritable path is reported at once.
+    std::ofstream json_file;
+    if (!o.json.empty()) {
+      json_file.open(o.json);
+      if (!json_file) return fail("--json: cannot write '" + o.json + "'");
+    }
 
     npy::array q = load_operand(o.q, "--q");
     npy::array k = load_operand(o.k, "--k");
@@ -409,10 +415,9 @@ int run_quality(const quality_options& o) {
         }
         j["rows"].push_back(e);
       }
-      std::ofstream f(o.json);
-      if (!f) return fail("--json: cannot write '" + o.json + "'");
-      f << j.dump(2) << "\n";
-      if (!f) return fail("--json: cannot write '" + o.json + "'");
+      json_file << j.dump(2) << "\n";
+      json_file.close();
+      if (!json_file) return fail("--json: cannot write '" + o.json + "'");
     }
     return kExitOk;
   } catch (const npy::error& e) {

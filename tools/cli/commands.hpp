@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -35,9 +36,22 @@ struct demo_options {
   unsigned long long seed = 2023;
 };
 
+/// Options of `dfss quality`.
+struct quality_options {
+  std::string q, k, v, json;
+  std::vector<std::string> patterns{"1:2", "2:4"};
+  std::vector<std::string> methods{"dfss", "topk", "window", "random", "bigbird", "performer", "nystrom"};
+  double scale = 0.0;
+  bool causal = false;
+  int threads = 0;
+  unsigned long long seed = 2023;
+};
+
 void add_attention_command(CLI::App& app, attention_options& opt);
 int run_attention(const attention_options& opt);
 int run_info();
+void add_quality_command(CLI::App& app, quality_options& opt);
+int run_quality(const quality_options& opt);
 void add_demo_command(CLI::App& app, demo_options& opt);
 int run_demo(const demo_options& opt);
 

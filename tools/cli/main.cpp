@@ -1,6 +1,7 @@
 // dfss: command-line front end of the library.
 //   dfss                      run the default example (BERT-base-sized attention, dense vs 1:2 vs 2:4)
 //   dfss attention ...        compute attention (and optionally its gradients) on .npy files
+//   dfss quality ...          approximation quality of DFSS vs full attention and other efficient attentions
 //   dfss info                 version, compiled backends, CPU features, CUDA architectures
 //   dfss bench                benchmark table (dfss patterns vs dense vs PyTorch), --json FILE
 #include <CLI/CLI.hpp>
@@ -17,6 +18,8 @@ int main(int argc, char** argv) {
 
   dfss::cli::attention_options attn;
   dfss::cli::add_attention_command(app, attn);
+  dfss::cli::quality_options quality;
+  dfss::cli::add_quality_command(app, quality);
   app.add_subcommand("info", "Print version, compiled backends, CPU features and CUDA architectures");
   dfss::cli::demo_options demo;
   dfss::cli::add_demo_command(app, demo);
@@ -30,6 +33,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (app.got_subcommand("attention")) return dfss::cli::run_attention(attn);
+    if (app.got_subcommand("quality")) return dfss::cli::run_quality(quality);
     if (app.got_subcommand("info")) return dfss::cli::run_info();
     if (app.got_subcommand("bench")) return dfss::cli::run_bench();
     return dfss::cli::run_demo(demo);

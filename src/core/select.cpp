@@ -30,20 +30,32 @@ kernel_selection select_reference(direction dir) {
              : make(kernel_kind::reference_backward, backend::reference, "reference.backward");
 }
 
+/// The backward runs on the instruction set the forward would (its twin recomputes that forward's
+/// exact selection): generic -> scalar, portable -> portable, avx2 -> avx2 (when the CPU has it),
+/// automatic -> avx2 when the CPU has it, else portable.
 kernel_selection select_cpu_backward(const attention_params& p, const attention_config& c, bool avx2_ok) {
-  if (!avx2_ok) {
-    return reject(backend::cpu, "the cpu backward pass needs AVX2, FMA and F16C for now; use backend reference");
-  }
-  if (c.cpu_isa == cpu_isa::generic || c.cpu_isa == cpu_isa::portable) {
-    return reject(backend::cpu, "the cpu backward pass exists for cpu_isa avx2 only so far; use backend reference");
-  }
   const bool dbias_broadcast = p.dbias != nullptr && ((p.dbias_stride[0] == 0 && p.batch > 1) ||
                                                       (p.dbias_stride[1] == 0 && p.heads > 1));
   if (dbias_broadcast) {
     return reject(backend::cpu,
                   "the cpu backward pass writes dbias only without broadcast dimensions; use backend reference");
   }
-  return make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
+  switch (c.cpu_isa) {
+    case cpu_isa::generic:
+      return make(kernel_kind::cpu_fused_backward_scalar, backend::cpu, "cpu.fused_backward.scalar");
+    case cpu_isa::portable:
+      return make(kernel_kind::cpu_fused_backward_portable, backend::cpu, "cpu.fused_backward.portable");
+    case cpu_isa::avx2:
+      if (!avx2_ok) {
+        return reject(backend::cpu, "cpu_isa avx2 was requested but this CPU lacks AVX2, FMA" +
+                                        std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
+      }
+      return make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
+    case cpu_isa::automatic:
+      return avx2_ok ? make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2")
+                     : make(kernel_kind::cpu_fused_backward_portable, backend::cpu, "cpu.fused_backward.portable");
+  }
+  return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
 }
 
 kernel_selection select_cpu(const attention_params& p, const attention_config& c, direction dir) {

@@ -32,14 +32,19 @@ kernel_selection select_reference(direction dir) {
 
 /// The backward runs on the instruction set the forward would (its twin recomputes that forward's
 /// exact selection): generic -> scalar, portable -> portable, avx2 -> avx2 (when the CPU has it),
-/// automatic -> avx2 when the CPU has it, else portable.
+/// automatic -> avx2 when the CPU has it, else portable. The scalar and portable twins write dbias
+/// with broadcast dimensions too; the AVX2 backward does not (yet).
 kernel_selection select_cpu_backward(const attention_params& p, const attention_config& c, bool avx2_ok) {
   const bool dbias_broadcast = p.dbias != nullptr && ((p.dbias_stride[0] == 0 && p.batch > 1) ||
                                                       (p.dbias_stride[1] == 0 && p.heads > 1));
-  if (dbias_broadcast) {
-    return reject(backend::cpu,
-                  "the cpu backward pass writes dbias only without broadcast dimensions; use backend reference");
-  }
+  const auto avx2 = [&]() {
+    if (dbias_broadcast) {
+      return reject(backend::cpu,
+                    "the cpu avx2 backward writes dbias only without broadcast dimensions; use backend reference "
+                    "or cpu_isa portable");
+    }
+    return make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
+  };
   switch (c.cpu_isa) {
     case cpu_isa::generic:
       return make(kernel_kind::cpu_fused_backward_scalar, backend::cpu, "cpu.fused_backward.scalar");
@@ -50,10 +55,9 @@ kernel_selection select_cpu_backward(const attention_params& p, const attention_
         return reject(backend::cpu, "cpu_isa avx2 was requested but this CPU lacks AVX2, FMA" +
                                         std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
       }
-      return make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
+      return avx2();
     case cpu_isa::automatic:
-      return avx2_ok ? make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2")
-                     : make(kernel_kind::cpu_fused_backward_portable, backend::cpu, "cpu.fused_backward.portable");
+      return avx2_ok ? avx2() : make(kernel_kind::cpu_fused_backward_portable, backend::cpu, "cpu.fused_backward.portable");
   }
   return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
 }

@@ -92,6 +92,8 @@ struct workspace {
   // and its dP tile, per-row D = rowsum(dO * O) and LSE * log2(e), and the kept probabilities and
   // scaled dS of one row tile.
   aligned_buffer<float> kr, vt, dk, dv, dout, dps, row_d, row_lse2, cp, cds;
+  // Backward with a broadcast dbias only: the dbias rows of one query tile, [32][seqlen_k].
+  aligned_buffer<float> dbias_acc;
 };
 
 template <typename T>
@@ -104,7 +106,9 @@ class fused_portable {
         w_(key_tile_width(p.pattern_m)),
         lk_pad_((p.seqlen_k + w_ - 1) / w_ * w_),
         c_(static_cast<float>(p.scale) * kLog2e),
-        group_(p.heads / p.heads_kv) {}
+        group_(p.heads / p.heads_kv),
+        dbias_broadcast_(p.dbias != nullptr && ((p.dbias_stride[0] == 0 && p.batch > 1) ||
+                                                (p.dbias_stride[1] == 0 && p.heads > 1))) {}
 
   /// The calling thread's scratch. It lives as long as the thread (OpenMP keeps its threads), so
   /// repeated calls do not pay for fresh pages; it is as large as the packed K and V of one head.
@@ -144,6 +148,7 @@ class fused_portable {
         ws.row_lse2.resize(kRowsPerTask);
         ws.cp.resize(compact);
         ws.cds.resize(compact);
+        if (dbias_broadcast_) ws.dbias_acc.resize(static_cast<std::size_t>(kRowsPerTask * p_.seqlen_k));
       }
     } catch (const std::bad_alloc&) {
       return false;
@@ -188,8 +193,46 @@ class fused_portable {
 #pragma omp for schedule(static)
       for (std::int64_t t = 0; t < tasks; ++t)
         if (ready) backward_task(ws, t);
+      if (dbias_broadcast_) run_dbias_pass(ws, ready);
     }
     if (out_of_memory) throw std::bad_alloc();
+  }
+
+  /// A dbias with broadcast dimensions: one task per (dbias batch, dbias head, 32-row query tile)
+  /// sums scale dS over the (batch, head) pairs it broadcasts to, in increasing (batch, head) order,
+  /// recomputing each pair's tile as backward_tile does; each dbias row is written by one thread.
+  /// Called inside run_backward's parallel region (the worksharing loop's barrier separates it from
+  /// the main pass).
+  void run_dbias_pass(workspace& ws, bool ready) {
+    const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
+    const std::int64_t hb_count = p_.dbias_stride[1] == 0 ? 1 : p_.heads;
+    const std::int64_t tasks = (p_.dbias_stride[0] == 0 ? 1 : p_.batch) * hb_count * q_tiles;
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tasks; ++t) {
+      if (!ready) continue;
+      const std::int64_t qt = t % q_tiles, hb = (t / q_tiles) % hb_count, bb = t / (q_tiles * hb_count);
+      const std::int64_t i0 = qt * kRowsPerTask;
+      const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
+      const std::int64_t b_lo = p_.dbias_stride[0] == 0 ? 0 : bb, b_hi = p_.dbias_stride[0] == 0 ? p_.batch : bb + 1;
+      const std::int64_t h_lo = hb_count == 1 ? 0 : hb, h_hi = hb_count == 1 ? p_.heads : hb + 1;
+      std::fill(ws.dbias_acc.ptr, ws.dbias_acc.ptr + rows * p_.seqlen_k, 0.0f);
+      for (std::int64_t b = b_lo; b < b_hi; ++b) {
+        for (std::int64_t h = h_lo; h < h_hi; ++h) {
+          if (ws.packed_b != b || ws.packed_hk != h / group_) {
+            pack_head(ws, b, h / group_);
+            pack_vt(ws);
+          }
+          backward_tile(ws, b, h, i0, ws.dbias_acc.ptr);
+        }
+      }
+      for (int i = 0; i < rows; ++i) {
+        const std::int64_t row = bb * p_.dbias_stride[0] + hb * p_.dbias_stride[1] + (i0 + i) * p_.dbias_stride[2];
+        const float* acc = ws.dbias_acc.ptr + static_cast<std::int64_t>(i) * p_.seqlen_k;
+        for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
+          core::store_from_double(p_.dbias, p_.bias_type, row + j * p_.dbias_stride[3], static_cast<double>(acc[j]));
+        }
+      }
+    }
   }
 
  private:
@@ -388,11 +431,9 @@ class fused_portable {
     }
   }
 
-  void backward_task(workspace& ws, std::int64_t t) {
-    const std::int64_t b = t / p_.heads_kv, hk = t % p_.heads_kv;
-    pack_head(ws, b, hk);
-    for (std::int64_t j = 0; j <= lk_pad_; ++j) load_row(p_.k, p_.k_stride, b, j, hk, j < p_.seqlen_k, ws.kr.ptr + j * dp_);
-    // V^T in 16-key panels like K, so that dP = dO V^T runs on the same micro-kernel as S = Q K^T.
+  /// V^T of the packed head in 16-key panels like K, so that dP = dO V^T runs on the same
+  /// micro-kernel as S = Q K^T.
+  void pack_vt(workspace& ws) const {
     for (std::int64_t blk = 0; blk < lk_pad_ / 16; ++blk) {
       float* panel = ws.vt.ptr + blk * dp_ * 16;
       for (int key = 0; key < 16; ++key) {
@@ -400,12 +441,19 @@ class fused_portable {
         for (int c = 0; c < dp_; ++c) panel[c * 16 + key] = row[c];
       }
     }
+  }
+
+  void backward_task(workspace& ws, std::int64_t t) {
+    const std::int64_t b = t / p_.heads_kv, hk = t % p_.heads_kv;
+    pack_head(ws, b, hk);
+    pack_vt(ws);
+    for (std::int64_t j = 0; j <= lk_pad_; ++j) load_row(p_.k, p_.k_stride, b, j, hk, j < p_.seqlen_k, ws.kr.ptr + j * dp_);
     std::fill(ws.dk.ptr, ws.dk.ptr + (lk_pad_ + 1) * dp_, 0.0f);
     std::fill(ws.dv.ptr, ws.dv.ptr + (lk_pad_ + 1) * dp_, 0.0f);
     bool head_nan = false;
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
     for (std::int64_t h = hk * group_; h < (hk + 1) * group_; ++h) {
-      for (std::int64_t qt = 0; qt < q_tiles; ++qt) head_nan |= backward_tile(ws, b, h, qt * kRowsPerTask);
+      for (std::int64_t qt = 0; qt < q_tiles; ++qt) head_nan |= backward_tile(ws, b, h, qt * kRowsPerTask, nullptr);
     }
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
@@ -419,10 +467,11 @@ class fused_portable {
     }
   }
 
-  /// Query rows i0 .. i0 + 31 of head h: dQ (and dBias) written, dK and dV accumulated. Returns
-  /// whether a NaN score was met (the caller then marks the whole kv head's dK and dV NaN, as a NaN
-  /// reaches every key's gradient in dense attention too).
-  bool backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0) {
+  /// Query rows i0 .. i0 + 31 of head h: dQ (and dBias without broadcast dimensions) written, dK
+  /// and dV accumulated. Returns whether a NaN score was met (the caller then marks the whole kv
+  /// head's dK and dV NaN, as a NaN reaches every key's gradient in dense attention too). With
+  /// @p dbias_acc ([32][seqlen_k]) it only adds the tile's scale dS to it (the broadcast dbias pass).
+  bool backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, float* dbias_acc) {
     const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
     const int rows4 = (rows + 3) / 4 * 4;
     float* q = ws.q.ptr;
@@ -446,7 +495,7 @@ class fused_portable {
       tile_end = std::max(tile_end, key_limit(b, i0 + i));
     }
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
-    if (p_.dbias != nullptr) {
+    if (p_.dbias != nullptr && !dbias_broadcast_) {
       for (int i = 0; i < rows; ++i) {
         const std::int64_t row = b * p_.dbias_stride[0] + h * p_.dbias_stride[1] + (i0 + i) * p_.dbias_stride[2];
         for (std::int64_t j = 0; j < p_.seqlen_k; ++j) core::store_from_double(p_.dbias, p_.bias_type, row + j * p_.dbias_stride[3], 0.0);
@@ -460,8 +509,11 @@ class fused_portable {
           microkernel_4x16(dout + i * dp_, ws.vt.ptr + panel, ws.dps.ptr + i * w_ + jb);
         }
       }
-      for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0);
+      for (int i = 0; i < rows; ++i) {
+        backward_row(ws, b, h, i0 + i, i, j0, dbias_acc == nullptr ? nullptr : dbias_acc + static_cast<std::int64_t>(i) * p_.seqlen_k);
+      }
     }
+    if (dbias_acc != nullptr) return false;
     bool any_nan = false;
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int i = 0; i < rows; ++i) {
@@ -477,12 +529,15 @@ class fused_portable {
 
   /// One row against one key tile: the forward's scores and selection, then
   /// P = exp(scale * S - LSE), dS = P (dO . V - D), dQ += scale dS K, dK += scale dS q, dV += P dO,
-  /// dBias = scale dS.
-  void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0) {
+  /// dBias = scale dS. With @p dbias_acc (the row's [seqlen_k] sums) only dBias, added there.
+  void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
+                    float* dbias_acc) {
     const std::int64_t lim = key_limit(b, qi);
     const float lse2 = ws.row_lse2.ptr[i];
-    // Empty rows (LSE -inf) have zero gradients; NaN rows are written as NaN by the caller.
-    if (j0 >= lim || lse2 == -std::numeric_limits<float>::infinity() || ws.row_nan.ptr[i] != 0) return;
+    const bool want_dbias = dbias_acc != nullptr || (p_.dbias != nullptr && !dbias_broadcast_);
+    // Empty rows (LSE -inf) have zero gradients; NaN rows are written as NaN by the caller, and
+    // need the selection only for their dBias.
+    if (j0 >= lim || lse2 == -std::numeric_limits<float>::infinity() || (ws.row_nan.ptr[i] != 0 && !want_dbias)) return;
     float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
     bias_and_mask(s, b, h, qi, j0, lim);
     float* cv = ws.cv.ptr;
@@ -490,8 +545,20 @@ class fused_portable {
     float tile_max = 0.0f;
     bool nan = false;
     const int kept = compact(s, j0, cv, ci, tile_max, nan);
-    if (nan) {
-      ws.row_nan.ptr[i] = 1;
+    const std::int64_t dbias_row = b * p_.dbias_stride[0] + h * p_.dbias_stride[1] + qi * p_.dbias_stride[2];
+    const auto add_dbias = [&](std::int64_t j, float x) {
+      if (dbias_acc != nullptr) {
+        dbias_acc[j] += x;
+      } else if (want_dbias) {
+        core::store_from_double(p_.dbias, p_.bias_type, dbias_row + j * p_.dbias_stride[3], static_cast<double>(x));
+      }
+    };
+    if (nan) ws.row_nan.ptr[i] = 1;
+    if (ws.row_nan.ptr[i] != 0) {
+      // A NaN row: P and dS are NaN at every kept key that is not masked (as in the reference).
+      const std::int32_t zero_row = static_cast<std::int32_t>(lk_pad_);
+      for (int t = 0; t < kept; ++t)
+        if (ci[t] != zero_row) add_dbias(ci[t], std::numeric_limits<float>::quiet_NaN());
       return;
     }
     float* cp = ws.cp.ptr;
@@ -509,6 +576,11 @@ class fused_portable {
       const std::int64_t local = static_cast<std::int64_t>(ci[t]) - j0;
       cds[t] = cp[t] == 0.0f || local >= w_ ? 0.0f : scale * (cp[t] * (dp_row[local] - d_row));
     }
+    if (dbias_acc != nullptr) {
+      for (int t = 0; t < kept; ++t)
+        if (cp[t] != 0.0f) add_dbias(ci[t], cds[t]);
+      return;
+    }
     float* dq = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
     // dQ += scale dS K over the kept keys, the dQ row held in registers (64 columns at a time).
     for (int c0 = 0; c0 < dp_; c0 += 64) {
@@ -524,7 +596,6 @@ class fused_portable {
       for (int r = 0; r < nv; ++r) store8(dq + c0 + 8 * r, a[r]);
     }
     // dK += scale dS^T q and dV += P^T dO for the kept keys (accumulated in the task's buffers).
-    const std::int64_t dbias_row = b * p_.dbias_stride[0] + h * p_.dbias_stride[1] + qi * p_.dbias_stride[2];
     for (int t = 0; t < kept; ++t) {
       if (cp[t] == 0.0f) continue;
       const std::int64_t j = ci[t];
@@ -535,9 +606,7 @@ class fused_portable {
         store8(dkrow + c, load8(dkrow + c) + sds * load8(qrow + c));
         store8(dvrow + c, load8(dvrow + c) + pj * load8(dout + c));
       }
-      if (p_.dbias != nullptr) {
-        core::store_from_double(p_.dbias, p_.bias_type, dbias_row + j * p_.dbias_stride[3], static_cast<double>(cds[t]));
-      }
+      add_dbias(j, cds[t]);
     }
   }
 
@@ -546,6 +615,8 @@ class fused_portable {
   const std::int64_t lk_pad_;
   const float c_;  ///< scale * log2(e)
   const std::int64_t group_;
+  /// dbias sums over a broadcast batch or head dimension: written by run_dbias_pass, not the tasks.
+  const bool dbias_broadcast_;
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 // backward run one machine-code instance of it and keep exactly the same keys); then per kept key
 // P = exp(scale s - LSE) from the forward's LSE, dS = P (dO . v_j - rowsum(dO O)), and dQ, dK, dV,
 // dBias accumulate in a fixed order (heads, rows, keys), bitwise identical for any thread count.
+// A dBias with broadcast dimensions gets a second pass over its rows (scalar_dbias_task).
 #include <omp.h>
 
 #include <algorithm>
@@ -140,22 +141,77 @@ void fused_rows(const attention_params& p) {
   }
 }
 
+/// Whether dbias is summed over a broadcast batch or head dimension (then it is written by its own
+/// pass, scalar_backward_dbias, instead of by the (batch, kv head) tasks).
+bool dbias_broadcast(const attention_params& p) {
+  return p.dbias != nullptr && ((p.dbias_stride[0] == 0 && p.batch > 1) || (p.dbias_stride[1] == 0 && p.heads > 1));
+}
+
+/// The per-row inputs of the backward: the fp32 query and dO rows, D = rowsum(dO * O) summed in
+/// increasing c, and the forward's LSE.
+template <typename T>
+void scalar_row_inputs(const attention_params& p, std::int64_t b, std::int64_t h, std::int64_t i, float* q, float* dout,
+                       float& rowsum_do, float& lse) {
+  rowsum_do = 0.0f;
+  for (std::int64_t c = 0; c < p.head_dim; ++c) {
+    q[c] = load<T>(p.q, core::offset4(p.q_stride, b, i, h, c));
+    dout[c] = load<T>(p.dout, core::offset4(p.dout_stride, b, i, h, c));
+    rowsum_do += dout[c] * static_cast<float>(core::load_as_double(p.o, p.o_type, core::offset4(p.o_stride, b, i, h, c)));
+  }
+  lse = static_cast<float>(
+      core::load_as_double(p.lse, p.lse_type, b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]));
+}
+
+/// One query row of the backward: recomputes the row's scores and selection with the forward's
+/// scalar_tile_scores, then calls visit(j, P_j, scale dS_j) for every kept key j with P_j != 0 in
+/// increasing j, P = exp(scale s - LSE), dS = P (dO . v_j - D); @p v_row(j) gives v_j in fp32. An
+/// empty row (LSE -inf: every kept score is -inf) visits nothing; keys at or past the mask limit are
+/// never kept with a finite score, so their tiles are skipped. In a NaN row (LSE NaN) every kept
+/// key's P and dS are NaN. Returns whether the row is NaN.
+template <typename T, typename VRow, typename Visit>
+bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t h, std::int64_t i, const float* q,
+                         const float* dout, float rowsum_do, float lse, VRow&& v_row, Visit&& visit) {
+  const std::int64_t d = p.head_dim, L = p.seqlen_k;
+  const std::int64_t tile = (kKeyTile + p.pattern_m - 1) / p.pattern_m * p.pattern_m;
+  const float scale = static_cast<float>(p.scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float s[kKeyTile + 16];
+  bool row_nan = lse != lse;
+  const std::int64_t last = core::causal_last_key(p, i);
+  const std::int64_t len = core::valid_keys(p, b);
+  const std::int64_t lim = lse == neg_inf ? 0 : std::min(len, last + 1);
+  for (std::int64_t j0 = 0; j0 < lim; j0 += tile) {
+    const std::int64_t width = L - j0 < tile ? L - j0 : tile;
+    row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
+    for (std::int64_t x = 0; x < width; ++x) {
+      if (s[x] == neg_inf) continue;  // pruned or masked: never contributes
+      const float pj = std::exp(scale * s[x] - lse);
+      if (pj == 0.0f) continue;  // underflowed: no contribution, as in the forward's P V
+      const std::int64_t j = j0 + x;
+      const float* vrow = v_row(j);
+      float dp = 0.0f;
+      for (std::int64_t c = 0; c < d; ++c) dp += dout[c] * vrow[c];
+      visit(j, pj, scale * (pj * (dp - rowsum_do)));
+    }
+  }
+  return row_nan;
+}
+
 /// Per-thread scratch of the scalar backward: the fp32 K and V rows of one (batch, kv head) and
 /// their gradient accumulators, [seqlen_k][head_dim] each.
 struct scalar_backward_scratch {
   std::vector<float> k, v, dk, dv;
 };
 
-/// Backward of kv head (b, hk) (task t): dQ of every query head of its group, then its dK and dV.
+/// Backward of kv head (b, hk) (task t): dQ (and dBias without broadcast dimensions) of every query
+/// head of its group, then its dK and dV.
 template <typename T>
 void scalar_backward_task(const attention_params& p, scalar_backward_scratch& ws, std::int64_t t) {
   const std::int64_t d = p.head_dim, L = p.seqlen_k;
-  const std::int64_t tile = (kKeyTile + p.pattern_m - 1) / p.pattern_m * p.pattern_m;
   const std::int64_t group = p.heads / p.heads_kv;
   const std::int64_t b = t / p.heads_kv, hk = t % p.heads_kv;
-  const float scale = static_cast<float>(p.scale);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  const bool write_dbias = p.dbias != nullptr && !dbias_broadcast(p);
   const auto kv_size = static_cast<std::size_t>(L * d);
   ws.k.resize(kv_size);
   ws.v.resize(kv_size);
@@ -167,54 +223,32 @@ void scalar_backward_task(const attention_params& p, scalar_backward_scratch& ws
       ws.v[static_cast<std::size_t>(j * d + c)] = load<T>(p.v, core::offset4(p.v_stride, b, j, hk, c));
     }
   }
-  const std::int64_t len = core::valid_keys(p, b);
   bool head_nan = false;
-  float q[512], dout[512], dq[512], s[kKeyTile + 16];
+  float q[512], dout[512], dq[512];
   for (std::int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
-      float rowsum_do = 0.0f;
-      for (std::int64_t c = 0; c < d; ++c) {
-        q[c] = load<T>(p.q, core::offset4(p.q_stride, b, i, h, c));
-        dout[c] = load<T>(p.dout, core::offset4(p.dout_stride, b, i, h, c));
-        dq[c] = 0.0f;
-        rowsum_do += dout[c] * static_cast<float>(core::load_as_double(p.o, p.o_type, core::offset4(p.o_stride, b, i, h, c)));
-      }
-      const auto lse = static_cast<float>(
-          core::load_as_double(p.lse, p.lse_type, b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]));
+      float rowsum_do = 0.0f, lse = 0.0f;
+      scalar_row_inputs<T>(p, b, h, i, q, dout, rowsum_do, lse);
+      std::fill(dq, dq + d, 0.0f);
       const std::int64_t dbias_row = b * p.dbias_stride[0] + h * p.dbias_stride[1] + i * p.dbias_stride[2];
-      if (p.dbias != nullptr) {
+      if (write_dbias) {
         for (std::int64_t j = 0; j < L; ++j) core::store_from_double(p.dbias, p.bias_type, dbias_row + j * p.dbias_stride[3], 0.0);
       }
-      bool row_nan = lse != lse;
-      // An empty row (LSE -inf: every kept score is -inf) has zero gradients; keys at or past the
-      // mask limit are never kept with a finite score, so their tiles are skipped.
-      const std::int64_t last = core::causal_last_key(p, i);
-      const std::int64_t lim = lse == neg_inf ? 0 : std::min(len, last + 1);
-      for (std::int64_t j0 = 0; j0 < lim; j0 += tile) {
-        const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-        row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
-        for (std::int64_t x = 0; x < width; ++x) {
-          if (s[x] == neg_inf) continue;  // pruned or masked: never contributes
-          const float pj = std::exp(scale * s[x] - lse);
-          if (pj == 0.0f) continue;  // underflowed: no contribution, as in the forward's P V
-          const std::int64_t j = j0 + x;
-          const float* krow = ws.k.data() + j * d;
-          const float* vrow = ws.v.data() + j * d;
-          float dp = 0.0f;
-          for (std::int64_t c = 0; c < d; ++c) dp += dout[c] * vrow[c];
-          const float sds = scale * (pj * (dp - rowsum_do));
-          float* dkrow = ws.dk.data() + j * d;
-          float* dvrow = ws.dv.data() + j * d;
-          for (std::int64_t c = 0; c < d; ++c) {
-            dq[c] += sds * krow[c];
-            dkrow[c] += sds * q[c];
-            dvrow[c] += pj * dout[c];
-          }
-          if (p.dbias != nullptr) {
-            core::store_from_double(p.dbias, p.bias_type, dbias_row + j * p.dbias_stride[3], static_cast<double>(sds));
-          }
-        }
-      }
+      const bool row_nan = scalar_backward_row<T>(
+          p, b, h, i, q, dout, rowsum_do, lse, [&](std::int64_t j) { return ws.v.data() + j * d; },
+          [&](std::int64_t j, float pj, float sds) {
+            const float* krow = ws.k.data() + j * d;
+            float* dkrow = ws.dk.data() + j * d;
+            float* dvrow = ws.dv.data() + j * d;
+            for (std::int64_t c = 0; c < d; ++c) {
+              dq[c] += sds * krow[c];
+              dkrow[c] += sds * q[c];
+              dvrow[c] += pj * dout[c];
+            }
+            if (write_dbias) {
+              core::store_from_double(p.dbias, p.bias_type, dbias_row + j * p.dbias_stride[3], static_cast<double>(sds));
+            }
+          });
       // A NaN score reaches every gradient of its row and, through dK and dV, the whole kv head
       // (as in dense attention; the AVX2 backward does the same).
       head_nan |= row_nan;
@@ -235,14 +269,48 @@ void scalar_backward_task(const attention_params& p, scalar_backward_scratch& ws
   }
 }
 
+/// One row (bb, hb, i) of a dbias with broadcast dimensions (task t): the sum of scale dS over the
+/// (batch, head) pairs it broadcasts to, in increasing (batch, head) order, in fp32.
+template <typename T>
+void scalar_dbias_task(const attention_params& p, std::vector<float>& acc, std::int64_t t) {
+  const std::int64_t d = p.head_dim, L = p.seqlen_k;
+  const std::int64_t group = p.heads / p.heads_kv;
+  const std::int64_t hb_count = p.dbias_stride[1] == 0 ? 1 : p.heads;
+  const std::int64_t i = t % p.seqlen_q, hb = (t / p.seqlen_q) % hb_count, bb = t / (p.seqlen_q * hb_count);
+  const std::int64_t b_lo = p.dbias_stride[0] == 0 ? 0 : bb, b_hi = p.dbias_stride[0] == 0 ? p.batch : bb + 1;
+  const std::int64_t h_lo = hb_count == 1 ? 0 : hb, h_hi = hb_count == 1 ? p.heads : hb + 1;
+  acc.assign(static_cast<std::size_t>(L), 0.0f);
+  float q[512], dout[512], vrow[512];
+  for (std::int64_t b = b_lo; b < b_hi; ++b) {
+    for (std::int64_t h = h_lo; h < h_hi; ++h) {
+      const std::int64_t hk = h / group;
+      float rowsum_do = 0.0f, lse = 0.0f;
+      scalar_row_inputs<T>(p, b, h, i, q, dout, rowsum_do, lse);
+      scalar_backward_row<T>(
+          p, b, h, i, q, dout, rowsum_do, lse,
+          [&](std::int64_t j) {
+            for (std::int64_t c = 0; c < d; ++c) vrow[c] = load<T>(p.v, core::offset4(p.v_stride, b, j, hk, c));
+            return static_cast<const float*>(vrow);
+          },
+          [&](std::int64_t j, float, float sds) { acc[static_cast<std::size_t>(j)] += sds; });
+    }
+  }
+  const std::int64_t row = bb * p.dbias_stride[0] + hb * p.dbias_stride[1] + i * p.dbias_stride[2];
+  for (std::int64_t j = 0; j < L; ++j) {
+    core::store_from_double(p.dbias, p.bias_type, row + j * p.dbias_stride[3], static_cast<double>(acc[static_cast<std::size_t>(j)]));
+  }
+}
+
 /// Parallel over (batch, kv head): each task owns its dK, dV rows and its heads' dQ (and dBias)
-/// rows, so no two threads write the same element and the summation order is fixed. False when an
-/// allocation failed (exceptions must not leave the parallel region).
+/// rows, so no two threads write the same element and the summation order is fixed. A dbias with
+/// broadcast dimensions then gets its own pass, parallel over its rows, each summed by one thread
+/// in a fixed order. False when an allocation failed (exceptions must not leave the parallel
+/// regions).
 template <typename T>
 bool scalar_backward(const attention_params& p) {
-  const std::int64_t tasks = p.batch * p.heads_kv;
   const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
   std::atomic<bool> out_of_memory{false};
+  const std::int64_t tasks = p.batch * p.heads_kv;
 #pragma omp parallel num_threads(threads)
   {
     scalar_backward_scratch ws;
@@ -251,6 +319,22 @@ bool scalar_backward(const attention_params& p) {
       if (out_of_memory) continue;
       try {
         scalar_backward_task<T>(p, ws, t);
+      } catch (const std::bad_alloc&) {
+        out_of_memory = true;
+      }
+    }
+  }
+  if (out_of_memory || !dbias_broadcast(p)) return !out_of_memory;
+  const std::int64_t rows =
+      (p.dbias_stride[0] == 0 ? 1 : p.batch) * (p.dbias_stride[1] == 0 ? 1 : p.heads) * p.seqlen_q;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> acc;
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < rows; ++t) {
+      if (out_of_memory) continue;
+      try {
+        scalar_dbias_task<T>(p, acc, t);
       } catch (const std::bad_alloc&) {
         out_of_memory = true;
       }

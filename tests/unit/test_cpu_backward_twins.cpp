@@ -10,7 +10,10 @@
 // (64 + terms) * eps_f32 * (1 + max |reference grad|). Small integers are exact in f16 and bf16, so
 // 16-bit inputs are the same numbers and take the same bound; 16-bit outputs add one ulp of their
 // type relative to the largest magnitude (round to nearest gives half an ulp of the element itself,
-// which is at most that).
+// which is at most that). A dbias with broadcast dimensions sums k = (B or 1) * (H or 1) values of
+// scale dS, each within the unbroadcast bound 65 eps (1 + max |term|), and the fp32 sum adds at most
+// k eps k max |term|: we allow (65 k + k^2) eps (1 + max |term|), max |term| taken from the
+// reference's unbroadcast dbias.
 #include <gtest/gtest.h>
 
 #include "common/run.hpp"
@@ -62,7 +65,8 @@ std::string twin_name(const ::testing::TestParamInfo<twin>& info) {
 
 /// The awkward-shape sweep: Lq != Lk, lengths not multiples of M or of the tiles (32 rows, 64+
 /// keys), grouped heads, d not a multiple of 8, causal, key lengths with a whole batch at 0 (empty
-/// rows), bias with -inf entries; patterns 1:2, 2:4, 3:8, 5:16, 2:3 and dense (1:1 and 4:4).
+/// rows), bias with -inf entries, its dbias with and without broadcast dimensions; patterns 1:2,
+/// 2:4, 3:8, 5:16, 2:3 and dense (1:1 and 4:4).
 std::vector<problem> twin_shapes(std::mt19937_64& rng) {
   std::vector<problem> out;
   struct shape {
@@ -78,7 +82,8 @@ std::vector<problem> twin_shapes(std::mt19937_64& rng) {
       p.B = s.B, p.Lq = s.Lq, p.Lk = s.Lk, p.H = s.H, p.Hkv = s.Hkv, p.d = s.d, p.pat = pat;
       p.causal = variant % 2 == 1;
       p.has_bias = variant % 3 == 1;
-      p.bias_b = p.bias_h = true;  // dbias without broadcast dimensions (the cpu kernels' case)
+      p.bias_b = (variant / 3) % 2 == 0;  // [B or 1, H or 1, Lq, Lk]: all four combinations
+      p.bias_h = (variant / 6) % 2 == 0;
       if (variant % 4 == 3) {
         for (std::int64_t b = 0; b < p.B; ++b) p.key_lengths.push_back(b == 1 ? 0 : p.Lk - p.Lk / 3);
       }
@@ -87,6 +92,36 @@ std::vector<problem> twin_shapes(std::mt19937_64& rng) {
       ++variant;
     }
   return out;
+}
+
+/// The problem with its bias repeated over the batch and heads it broadcasts to.
+problem unbroadcast_bias(const problem& pr) {
+  problem full = pr;
+  full.bias_b = full.bias_h = true;
+  full.bias.assign(static_cast<std::size_t>(full.bias_numel()), 0.0);
+  const std::int64_t Hb = pr.bias_h ? pr.H : 1, plane = pr.Lq * pr.Lk;
+  for (std::int64_t b = 0; b < pr.B; ++b)
+    for (std::int64_t h = 0; h < pr.H; ++h)
+      for (std::int64_t x = 0; x < plane; ++x) {
+        const std::int64_t from = ((pr.bias_b ? b : 0) * Hb + (pr.bias_h ? h : 0)) * plane + x;
+        full.bias[static_cast<std::size_t>((b * pr.H + h) * plane + x)] = pr.bias[static_cast<std::size_t>(from)];
+      }
+  return full;
+}
+
+void expect_dbias_close(const problem& pr, const std::vector<double>& got, const std::vector<double>& want,
+                        const std::string& what) {
+  if (pr.bias_b && pr.bias_h) return expect_grad_close(got, want, 1.0, dtype::f32, what);
+  const double k = static_cast<double>((pr.bias_b ? 1 : pr.B) * (pr.bias_h ? 1 : pr.H));
+  const double max_term = max_abs(run_backward(unbroadcast_bias(pr)).dbias);
+  const double tol = (65.0 * k + k * k) * kEps32 * (1.0 + max_term);
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double err = 0;
+  for (std::size_t x = 0; x < got.size(); ++x) {
+    ASSERT_TRUE(std::isfinite(got[x])) << what << " at " << x;
+    err = std::max(err, std::abs(got[x] - want[x]));
+  }
+  EXPECT_LE(err, tol) << what;
 }
 
 TEST_P(CpuBackwardTwin, MatchesReferenceOnExactScores) {
@@ -111,7 +146,7 @@ TEST_P(CpuBackwardTwin, MatchesReferenceOnExactScores) {
         expect_grad_close(got.dk, want.dk, group * static_cast<double>(pr.Lq), out, what + " dk");
         expect_grad_close(got.dv, want.dv, group * static_cast<double>(pr.Lq), out, what + " dv");
         // dbias is written in the bias's type (f64 here), from fp32 values.
-        if (pr.has_bias) expect_grad_close(got.dbias, want.dbias, 1.0, dtype::f32, what + " dbias");
+        if (pr.has_bias) expect_dbias_close(pr, got.dbias, want.dbias, what + " dbias");
         if (::testing::Test::HasFatalFailure()) return;
       }
     }
@@ -155,32 +190,53 @@ TEST_P(CpuBackwardTwin, EmptyRowsGiveExactZeroGradients) {
 
 TEST_P(CpuBackwardTwin, NanScoreMakesItsRowAndKvHeadNan) {
   // A NaN in one query row: that row's dQ and the dK, dV of its kv head are NaN (as in dense
-  // attention and in the AVX2 backward); the other kv head and the other rows stay finite.
+  // attention and in the AVX2 backward); the other kv head and the other rows stay finite. Its dBias
+  // row is NaN at the kept keys (as in the reference), and so is the broadcast row it sums into.
   const twin tw = GetParam();
-  std::mt19937_64 rng(test_seed() + 43);
-  problem pr;
-  pr.B = 1, pr.Lq = 9, pr.Lk = 21, pr.H = 4, pr.Hkv = 2, pr.d = 8;
-  fill(pr, rng);
-  const std::int64_t bad_i = 5, bad_h = 1;  // kv head 0
-  pr.q[static_cast<std::size_t>((bad_i * pr.H + bad_h) * pr.d + 3)] = kNaN;
-  run_options opt;
-  opt.type = dtype::f32;
-  opt.backend = backend::cpu;
-  opt.isa = tw.isa;
-  const auto got = run_backward(pr, opt);
-  for (std::int64_t i = 0; i < pr.Lq; ++i)
-    for (std::int64_t h = 0; h < pr.H; ++h)
-      for (std::int64_t c = 0; c < pr.d; ++c) {
-        const double g = got.dq[static_cast<std::size_t>((i * pr.H + h) * pr.d + c)];
-        EXPECT_EQ(std::isnan(g), i == bad_i && h == bad_h) << i << " " << h << " " << c;
+  for (bool broadcast : {false, true}) {
+    std::mt19937_64 rng(test_seed() + 43);
+    problem pr;
+    pr.B = 1, pr.Lq = 9, pr.Lk = 21, pr.H = 4, pr.Hkv = 2, pr.d = 8;
+    pr.has_bias = true, pr.bias_b = true, pr.bias_h = !broadcast;
+    fill(pr, rng);
+    const std::int64_t bad_i = 5, bad_h = 1;  // kv head 0
+    pr.q[static_cast<std::size_t>((bad_i * pr.H + bad_h) * pr.d + 3)] = kNaN;
+    run_options opt;
+    opt.type = dtype::f32;
+    opt.backend = backend::cpu;
+    opt.isa = tw.isa;
+    const auto got = run_backward(pr, opt);
+    for (std::int64_t i = 0; i < pr.Lq; ++i)
+      for (std::int64_t h = 0; h < pr.H; ++h)
+        for (std::int64_t c = 0; c < pr.d; ++c) {
+          const double g = got.dq[static_cast<std::size_t>((i * pr.H + h) * pr.d + c)];
+          EXPECT_EQ(std::isnan(g), i == bad_i && h == bad_h) << i << " " << h << " " << c;
+        }
+    for (std::int64_t j = 0; j < pr.Lk; ++j)
+      for (std::int64_t hk = 0; hk < pr.Hkv; ++hk)
+        for (std::int64_t c = 0; c < pr.d; ++c) {
+          const auto at = static_cast<std::size_t>((j * pr.Hkv + hk) * pr.d + c);
+          EXPECT_EQ(std::isnan(got.dk[at]), hk == 0) << j << " " << hk;
+          EXPECT_EQ(std::isnan(got.dv[at]), hk == 0) << j << " " << hk;
+        }
+    const std::int64_t Hb = pr.bias_h ? pr.H : 1;
+    for (std::int64_t hb = 0; hb < Hb; ++hb)
+      for (std::int64_t i = 0; i < pr.Lq; ++i) {
+        const bool bad_row = i == bad_i && (broadcast || hb == bad_h);
+        std::int64_t nans = 0;
+        for (std::int64_t j = 0; j < pr.Lk; ++j) {
+          nans += std::isnan(got.dbias[static_cast<std::size_t>((hb * pr.Lq + i) * pr.Lk + j)]) ? 1 : 0;
+        }
+        // A group keeps at least one key whose bias is not -inf or the row is not NaN there; at
+        // most N of every M keys are kept.
+        if (bad_row) {
+          EXPECT_GT(nans, 0) << broadcast << " " << hb << " " << i;
+          EXPECT_LE(nans, (pr.Lk + pr.pat.m - 1) / pr.pat.m * pr.pat.n) << broadcast << " " << hb << " " << i;
+        } else {
+          EXPECT_EQ(nans, 0) << broadcast << " " << hb << " " << i;
+        }
       }
-  for (std::int64_t j = 0; j < pr.Lk; ++j)
-    for (std::int64_t hk = 0; hk < pr.Hkv; ++hk)
-      for (std::int64_t c = 0; c < pr.d; ++c) {
-        const auto at = static_cast<std::size_t>((j * pr.Hkv + hk) * pr.d + c);
-        EXPECT_EQ(std::isnan(got.dk[at]), hk == 0) << j << " " << hk;
-        EXPECT_EQ(std::isnan(got.dv[at]), hk == 0) << j << " " << hk;
-      }
+  }
 }
 
 TEST_P(CpuBackwardTwin, BitwiseIdenticalForAnyThreadCount) {
@@ -195,15 +251,23 @@ TEST_P(CpuBackwardTwin, BitwiseIdenticalForAnyThreadCount) {
   opt.type = dtype::f32;
   opt.backend = backend::cpu;
   opt.isa = tw.isa;
-  opt.threads = 1;
-  const auto one = run_backward(pr, opt);
-  for (int t : {2, 3, 7}) {
-    opt.threads = t;
-    const auto many = run_backward(pr, opt);
-    EXPECT_EQ(one.dq, many.dq) << t;
-    EXPECT_EQ(one.dk, many.dk) << t;
-    EXPECT_EQ(one.dv, many.dv) << t;
-    EXPECT_EQ(one.dbias, many.dbias) << t;
+  // dbias per (batch, head), and summed over both (the broadcast pass's fixed order).
+  for (const problem& p : {pr, [&] {
+         problem b = pr;
+         b.bias_b = b.bias_h = false;
+         b.bias.resize(static_cast<std::size_t>(b.bias_numel()));
+         return b;
+       }()}) {
+    opt.threads = 1;
+    const auto one = run_backward(p, opt);
+    for (int t : {2, 3, 7}) {
+      opt.threads = t;
+      const auto many = run_backward(p, opt);
+      EXPECT_EQ(one.dq, many.dq) << t;
+      EXPECT_EQ(one.dk, many.dk) << t;
+      EXPECT_EQ(one.dv, many.dv) << t;
+      EXPECT_EQ(one.dbias, many.dbias) << t;
+    }
   }
 }
 
@@ -368,20 +432,16 @@ TEST(CpuBackwardTwinSelector, Avx2RequestedIsHonouredOrRejected) {
   }
 }
 
-TEST(CpuBackwardTwinSelector, BroadcastDbiasFallsBackToReference) {
+TEST(CpuBackwardTwinSelector, TwinsTakeBroadcastDbias) {
   small_backward s;
   s.a.bias = make_view(s.bias.data(), {1, 1, 3, 3});
   s.a.dbias = make_view(s.dbias.data(), {1, 1, 3, 3});
   attention_config cfg;
-  for (cpu_isa isa : {cpu_isa::generic, cpu_isa::portable}) {
-    cfg.cpu_isa = isa;
-    cfg.backend = backend::automatic;
-    EXPECT_EQ(select_kernel(s.a, cfg).name, "reference.backward");
-    cfg.backend = backend::cpu;
-    const auto sel = select_kernel(s.a, cfg);
-    EXPECT_FALSE(sel.supported());
-    EXPECT_NE(sel.reason.find("broadcast"), std::string::npos) << sel.reason;
-  }
+  cfg.backend = backend::cpu;
+  cfg.cpu_isa = cpu_isa::generic;
+  EXPECT_EQ(select_kernel(s.a, cfg).name, "cpu.fused_backward.scalar");
+  cfg.cpu_isa = cpu_isa::portable;
+  EXPECT_EQ(select_kernel(s.a, cfg).name, "cpu.fused_backward.portable");
 }
 
 TEST(CpuBackwardTwinSelector, F64InputsFallBackToReference) {

@@ -105,6 +105,8 @@ enum class kernel_kind : int {
   cpu_three_stage_forward,
   cpu_fused_forward_portable,
   cpu_fused_backward_avx2,
+  cpu_fused_backward_scalar,
+  cpu_fused_backward_portable,
 };
 
 /// @brief The selector's answer: supported or not, and what runs.

@@ -34,10 +34,14 @@ status run_forward(const attention_params& p, const kernel_selection& s) {
                                      "', which is not a forward kernel"};
 }
 
+using cpu_kernel = status (*)(const attention_params&) noexcept;
+
 /// The CPU backward needs the forward's O and LSE; when the caller gave neither, they are computed
-/// here with the matching forward kernel (same scores, same selection) into temporaries.
-status run_cpu_backward(const attention_params& p) {
-  if (p.o != nullptr && p.lse != nullptr) return cpu::fused_backward_avx2(p);
+/// here with the forward of the same instruction set (same scores, same selection) into
+/// temporaries. A caller that gives them must have produced them with that forward too, or a
+/// near-tie may be kept differently.
+status run_cpu_backward(const attention_params& p, cpu_kernel forward, cpu_kernel backward) {
+  if (p.o != nullptr && p.lse != nullptr) return backward(p);
   const std::int64_t B = p.batch, Lq = p.seqlen_q, H = p.heads, d = p.head_dim;
   std::vector<float> o(static_cast<std::size_t>(B * Lq * H * d)), lse(static_cast<std::size_t>(B * H * Lq));
   attention_params f = p;
@@ -50,7 +54,7 @@ status run_cpu_backward(const attention_params& p) {
   f.lse_type = dtype::f32;
   std::copy(lse_stride, lse_stride + 3, f.lse_stride);
   f.dq = f.dk = f.dv = f.dbias = nullptr;
-  status st = cpu::fused_forward_avx2(f);
+  status st = forward(f);
   if (!st.ok()) return st;
   attention_params b = p;
   b.o = f.o;
@@ -59,13 +63,18 @@ status run_cpu_backward(const attention_params& p) {
   b.lse = f.lse;
   b.lse_type = dtype::f32;
   std::copy(lse_stride, lse_stride + 3, b.lse_stride);
-  return cpu::fused_backward_avx2(b);
+  return backward(b);
 }
 
 status run_backward(const attention_params& p, const kernel_selection& s) {
   switch (s.kind) {
     case kernel_kind::reference_backward: return ref::reference_backward(p);
-    case kernel_kind::cpu_fused_backward_avx2: return run_cpu_backward(p);
+    case kernel_kind::cpu_fused_backward_avx2:
+      return run_cpu_backward(p, cpu::fused_forward_avx2, cpu::fused_backward_avx2);
+    case kernel_kind::cpu_fused_backward_scalar:
+      return run_cpu_backward(p, cpu::fused_forward_scalar, cpu::fused_backward_scalar);
+    case kernel_kind::cpu_fused_backward_portable:
+      return run_cpu_backward(p, cpu::fused_forward_portable, cpu::fused_backward_portable);
     default: break;
   }
   return {status_code::internal, std::string(kBackwardOp) + ": selector chose '" + s.name +

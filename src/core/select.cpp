@@ -30,14 +30,28 @@ kernel_selection select_reference(direction dir) {
              : make(kernel_kind::reference_backward, backend::reference, "reference.backward");
 }
 
-kernel_selection select_cpu_backward(const attention_config& c, bool avx2_ok) {
-  if (!avx2_ok) {
-    return reject(backend::cpu, "the cpu backward pass needs AVX2, FMA and F16C for now; use backend reference");
+/// The backward runs on the instruction set the forward would (its twin recomputes that forward's
+/// exact selection): generic -> scalar, portable -> portable, avx2 -> avx2 (when the CPU has it),
+/// automatic -> avx2 when the CPU has it, else portable. All three write dbias with broadcast
+/// dimensions.
+kernel_selection select_cpu_backward(const attention_params& p, const attention_config& c, bool avx2_ok) {
+  const auto avx2 = make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
+  const auto portable = make(kernel_kind::cpu_fused_backward_portable, backend::cpu, "cpu.fused_backward.portable");
+  switch (c.cpu_isa) {
+    case cpu_isa::generic:
+      return make(kernel_kind::cpu_fused_backward_scalar, backend::cpu, "cpu.fused_backward.scalar");
+    case cpu_isa::portable:
+      return portable;
+    case cpu_isa::avx2:
+      if (!avx2_ok) {
+        return reject(backend::cpu, "cpu_isa avx2 was requested but this CPU lacks AVX2, FMA" +
+                                        std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
+      }
+      return avx2;
+    case cpu_isa::automatic:
+      return avx2_ok ? avx2 : portable;
   }
-  if (c.cpu_isa == cpu_isa::generic || c.cpu_isa == cpu_isa::portable) {
-    return reject(backend::cpu, "the cpu backward pass exists for cpu_isa avx2 only so far; use backend reference");
-  }
-  return make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
+  return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
 }
 
 kernel_selection select_cpu(const attention_params& p, const attention_config& c, direction dir) {
@@ -46,7 +60,7 @@ kernel_selection select_cpu(const attention_params& p, const attention_config& c
                   "the cpu backend takes f32, f16 and bf16 inputs, got f64; use backend reference");
   }
   const bool avx2_ok = cpu::cpu_supports_avx2() && (p.input_type != dtype::f16 || cpu::cpu_supports_f16c());
-  if (dir == direction::backward) return select_cpu_backward(c, avx2_ok);
+  if (dir == direction::backward) return select_cpu_backward(p, c, avx2_ok);
   if (c.cpu_algorithm == cpu_algorithm::three_stage) {
     return make(kernel_kind::cpu_three_stage_forward, backend::cpu, "cpu.three_stage_forward.generic");
   }

@@ -27,6 +27,18 @@ status fused_forward_portable(const attention_params& p) noexcept;
 /// gradients are bitwise identical for any thread count.
 status fused_backward_avx2(const attention_params& p) noexcept;
 
+/// @brief Generic scalar fused backward: the twin of fused_backward_avx2 (same contract: requires
+/// p.o and p.lse, parallel over (batch, kv head), bitwise identical for any thread count), plus
+/// dBias with broadcast dimensions (a second pass over its rows, each summed in a fixed order).
+/// Recomputes the scores with the scalar forward's own score function, so it keeps exactly the keys
+/// fused_forward_scalar kept.
+status fused_backward_scalar(const attention_params& p) noexcept;
+
+/// @brief Portable-SIMD fused backward: the twin of fused_backward_avx2 for CPUs without AVX2 (same
+/// contract as the scalar twin, broadcast dBias included). Recomputes the scores with the portable forward's micro-kernel and selection, so it
+/// keeps exactly the keys fused_forward_portable kept.
+status fused_backward_portable(const attention_params& p) noexcept;
+
 /// @brief The paper's three-stage pipeline on the CPU: (a) Q K^T with the N:M selection fused into
 /// the tile epilogue, writing compressed values, indices and (1:2, 2:4) metadata; (b) softmax over
 /// the compressed rows; (c) compressed-by-dense product with V. Writes p.compressed_* when non-null.

@@ -774,19 +774,30 @@ class fused_avx2 {
                     const dbias_sink& sink, bool first) {
     const std::int64_t lim = key_limit(b, qi);
     const float lse2 = ws.row_lse2.ptr[i];
-    if (j0 >= lim || lse2 == -std::numeric_limits<float>::infinity() || ws.row_nan.ptr[i] != 0) return;
+    // Empty rows (LSE -inf) have zero gradients; NaN rows are written as NaN by the caller and need
+    // the selection only for their dBias.
+    const bool nan_row = ws.row_nan.ptr[i] != 0;
+    if (j0 >= lim || lse2 == -std::numeric_limits<float>::infinity() || (nan_row && p_.dbias == nullptr)) return;
     float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
     bias_and_mask(s, b, h, qi, j0, lim);
-    if (row_has_nan(s)) {
-      ws.row_nan.ptr[i] = 1;
-      return;
-    }
+    if (row_has_nan(s)) ws.row_nan.ptr[i] = 1;
     float* cv = ws.comp_val.ptr;
     std::int32_t* ci = ws.comp_idx.ptr;
     float* cp = ws.comp_p.ptr;
     float* cds = ws.comp_ds.ptr;
     float tile_max = 0.0f;
     const int kept = compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max);
+    if (ws.row_nan.ptr[i] != 0) {
+      // A NaN row: P and dS are NaN at every kept key whose score is not -inf (as in the reference).
+      if (p_.dbias == nullptr) return;
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      for (int t = 0; t < kept; ++t) {
+        if (cv[t] != -std::numeric_limits<float>::infinity()) {
+          core::store_from_double(sink.base, sink.type, sink.at(b, h, qi, ci[t]), nan);
+        }
+      }
+      return;
+    }
     const float d_row = ws.row_d.ptr[i];
     const float scale = static_cast<float>(p_.scale);
     const __m256 vc = _mm256_set1_ps(c_), vlse = _mm256_set1_ps(lse2);

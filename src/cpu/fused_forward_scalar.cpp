@@ -1,14 +1,26 @@
-// Generic scalar fused DFSS forward: the portable twin that every SIMD kernel is checked against.
+// Generic scalar fused DFSS forward and backward: the portable twins that every SIMD kernel is
+// checked against.
 //
-// Per query row: walk the keys in tiles whose width is a multiple of M; compute the tile's scores in
-// fp32, apply bias and masks, select N of every M (dfss/format/nm_select.hpp, the one selection rule),
-// then update the online softmax with the kept scores only. Because the maximum of each group is
-// always kept, the running maximum equals the row maximum of the unpruned scores.
+// Forward, per query row: walk the keys in tiles whose width is a multiple of M; compute the tile's
+// scores in fp32, apply bias and masks, select N of every M (dfss/format/nm_select.hpp, the one
+// selection rule), then update the online softmax with the kept scores only. Because the maximum of
+// each group is always kept, the running maximum equals the row maximum of the unpruned scores.
+//
+// Backward, per (batch, kv head): for every query row of the heads sharing that kv head, the same
+// tiles go through the same score function (scalar_tile_scores, never inlined, so forward and
+// backward run one machine-code instance of it and keep exactly the same keys); then per kept key
+// P = exp(scale s - LSE) from the forward's LSE, dS = P (dO . v_j - rowsum(dO O)), and dQ, dK, dV,
+// dBias accumulate in a fixed order (heads, rows, keys), bitwise identical for any thread count.
+// A dBias with broadcast dimensions gets a second pass over its rows (scalar_dbias_task).
 #include <omp.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <new>
+#include <vector>
 
 #include "core/element_access.hpp"
 #include "cpu/fused_forward.hpp"
@@ -27,10 +39,47 @@ float load(const void* base, std::int64_t off) {
   return to_float(static_cast<const T*>(base)[off]);
 }
 
+/// The scalar kernels' one score computation, shared by the forward and the backward so that both
+/// keep exactly the same keys. Fills s[0 .. width) with the fp32 scores of keys j0 .. j0 + width - 1
+/// for query row (b, h, i) whose fp32 query is @p q: q . k_j summed in increasing c, plus the bias,
+/// -inf for keys masked by key padding (j >= len) or causality (j > last); then, in every aligned
+/// group of M keys (j0 is a multiple of M), the keys not kept set to -inf. Returns whether a kept
+/// score is NaN. Never inlined: both directions run the same machine code, whatever contraction or
+/// vectorisation the compiler chose for it.
+template <typename T>
+[[gnu::noinline]] bool scalar_tile_scores(const attention_params& p, const float* q, std::int64_t b, std::int64_t h,
+                                          std::int64_t i, std::int64_t j0, std::int64_t width, std::int64_t len,
+                                          std::int64_t last, float* s) {
+  const std::int64_t d = p.head_dim;
+  const std::int64_t hk = h / (p.heads / p.heads_kv);
+  const int n = p.pattern_n, m = p.pattern_m;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (std::int64_t t = 0; t < width; ++t) {
+    const std::int64_t j = j0 + t;
+    float dot = 0.0f;
+    for (std::int64_t c = 0; c < d; ++c) dot += q[c] * load<T>(p.k, core::offset4(p.k_stride, b, j, hk, c));
+    if (p.bias != nullptr) {
+      dot += static_cast<float>(core::load_as_double(
+          p.bias, p.bias_type, b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] + j * p.bias_stride[3]));
+    }
+    s[t] = (j >= len || j > last) ? neg_inf : dot;
+  }
+  bool nan_seen = false;
+  for (std::int64_t g = 0; g < width; g += m) {
+    const int count = static_cast<int>(width - g < m ? width - g : m);
+    const std::uint32_t keep = nm_select_group<float>(s + g, count, n, m);
+    for (int t = 0; t < count; ++t) {
+      if (!((keep >> t) & 1u)) s[g + t] = neg_inf;
+      else if (std::isnan(s[g + t])) nan_seen = true;
+    }
+  }
+  return nan_seen;
+}
+
 template <typename T>
 void fused_rows(const attention_params& p) {
   const std::int64_t d = p.head_dim, L = p.seqlen_k;
-  const int n = p.pattern_n, m = p.pattern_m;
+  const int m = p.pattern_m;
   const std::int64_t tile = (kKeyTile + m - 1) / m * m;
   const std::int64_t group = p.heads / p.heads_kv;
   const std::int64_t rows = p.batch * p.heads * p.seqlen_q;
@@ -57,25 +106,7 @@ void fused_rows(const attention_params& p) {
       bool nan_seen = false;
       for (std::int64_t j0 = 0; j0 < L; j0 += tile) {
         const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-        for (std::int64_t t = 0; t < width; ++t) {
-          const std::int64_t j = j0 + t;
-          float dot = 0.0f;
-          for (std::int64_t c = 0; c < d; ++c) dot += q[c] * load<T>(p.k, core::offset4(p.k_stride, b, j, hk, c));
-          if (p.bias != nullptr) {
-            dot += static_cast<float>(core::load_as_double(
-                p.bias, p.bias_type,
-                b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] + j * p.bias_stride[3]));
-          }
-          s[t] = (j >= len || j > last) ? neg_inf : dot;
-        }
-        for (std::int64_t g = 0; g < width; g += m) {
-          const int count = static_cast<int>(width - g < m ? width - g : m);
-          const std::uint32_t keep = nm_select_group<float>(s + g, count, n, m);
-          for (int t = 0; t < count; ++t) {
-            if (!((keep >> t) & 1u)) s[g + t] = neg_inf;
-            else if (std::isnan(s[g + t])) nan_seen = true;
-          }
-        }
+        nan_seen |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
         // Online softmax over the kept scores of this tile.
         float tile_max = neg_inf;
         for (std::int64_t t = 0; t < width; ++t) tile_max = s[t] > tile_max ? s[t] : tile_max;
@@ -110,6 +141,208 @@ void fused_rows(const attention_params& p) {
   }
 }
 
+/// Whether dbias is summed over a broadcast batch or head dimension (then it is written by its own
+/// pass, scalar_backward_dbias, instead of by the (batch, kv head) tasks).
+bool dbias_broadcast(const attention_params& p) {
+  return p.dbias != nullptr && ((p.dbias_stride[0] == 0 && p.batch > 1) || (p.dbias_stride[1] == 0 && p.heads > 1));
+}
+
+/// The per-row inputs of the backward: the fp32 query and dO rows, D = rowsum(dO * O) summed in
+/// increasing c, and the forward's LSE.
+template <typename T>
+void scalar_row_inputs(const attention_params& p, std::int64_t b, std::int64_t h, std::int64_t i, float* q, float* dout,
+                       float& rowsum_do, float& lse) {
+  rowsum_do = 0.0f;
+  for (std::int64_t c = 0; c < p.head_dim; ++c) {
+    q[c] = load<T>(p.q, core::offset4(p.q_stride, b, i, h, c));
+    dout[c] = load<T>(p.dout, core::offset4(p.dout_stride, b, i, h, c));
+    rowsum_do += dout[c] * static_cast<float>(core::load_as_double(p.o, p.o_type, core::offset4(p.o_stride, b, i, h, c)));
+  }
+  lse = static_cast<float>(
+      core::load_as_double(p.lse, p.lse_type, b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]));
+}
+
+/// One query row of the backward: recomputes the row's scores and selection with the forward's
+/// scalar_tile_scores, then calls visit(j, P_j, scale dS_j) for every kept key j with P_j != 0 in
+/// increasing j, P = exp(scale s - LSE), dS = P (dO . v_j - D); @p v_row(j) gives v_j in fp32. An
+/// empty row (LSE -inf: every kept score is -inf) visits nothing; keys at or past the mask limit are
+/// never kept with a finite score, so their tiles are skipped. In a NaN row (LSE NaN) every kept
+/// key's P and dS are NaN. Returns whether the row is NaN.
+template <typename T, typename VRow, typename Visit>
+bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t h, std::int64_t i, const float* q,
+                         const float* dout, float rowsum_do, float lse, VRow&& v_row, Visit&& visit) {
+  const std::int64_t d = p.head_dim, L = p.seqlen_k;
+  const std::int64_t tile = (kKeyTile + p.pattern_m - 1) / p.pattern_m * p.pattern_m;
+  const float scale = static_cast<float>(p.scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float s[kKeyTile + 16];
+  bool row_nan = lse != lse;
+  const std::int64_t last = core::causal_last_key(p, i);
+  const std::int64_t len = core::valid_keys(p, b);
+  const std::int64_t lim = lse == neg_inf ? 0 : std::min(len, last + 1);
+  for (std::int64_t j0 = 0; j0 < lim; j0 += tile) {
+    const std::int64_t width = L - j0 < tile ? L - j0 : tile;
+    row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
+    for (std::int64_t x = 0; x < width; ++x) {
+      if (s[x] == neg_inf) continue;  // pruned or masked: never contributes
+      const float pj = std::exp(scale * s[x] - lse);
+      if (pj == 0.0f) continue;  // underflowed: no contribution, as in the forward's P V
+      const std::int64_t j = j0 + x;
+      const float* vrow = v_row(j);
+      float dp = 0.0f;
+      for (std::int64_t c = 0; c < d; ++c) dp += dout[c] * vrow[c];
+      visit(j, pj, scale * (pj * (dp - rowsum_do)));
+    }
+  }
+  return row_nan;
+}
+
+/// Per-thread scratch of the scalar backward: the fp32 K and V rows of one (batch, kv head) and
+/// their gradient accumulators, [seqlen_k][head_dim] each.
+struct scalar_backward_scratch {
+  std::vector<float> k, v, dk, dv;
+};
+
+/// Backward of kv head (b, hk) (task t): dQ (and dBias without broadcast dimensions) of every query
+/// head of its group, then its dK and dV.
+template <typename T>
+void scalar_backward_task(const attention_params& p, scalar_backward_scratch& ws, std::int64_t t) {
+  const std::int64_t d = p.head_dim, L = p.seqlen_k;
+  const std::int64_t group = p.heads / p.heads_kv;
+  const std::int64_t b = t / p.heads_kv, hk = t % p.heads_kv;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const bool write_dbias = p.dbias != nullptr && !dbias_broadcast(p);
+  const auto kv_size = static_cast<std::size_t>(L * d);
+  ws.k.resize(kv_size);
+  ws.v.resize(kv_size);
+  ws.dk.assign(kv_size, 0.0f);
+  ws.dv.assign(kv_size, 0.0f);
+  for (std::int64_t j = 0; j < L; ++j) {
+    for (std::int64_t c = 0; c < d; ++c) {
+      ws.k[static_cast<std::size_t>(j * d + c)] = load<T>(p.k, core::offset4(p.k_stride, b, j, hk, c));
+      ws.v[static_cast<std::size_t>(j * d + c)] = load<T>(p.v, core::offset4(p.v_stride, b, j, hk, c));
+    }
+  }
+  bool head_nan = false;
+  float q[512], dout[512], dq[512];
+  for (std::int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+      float rowsum_do = 0.0f, lse = 0.0f;
+      scalar_row_inputs<T>(p, b, h, i, q, dout, rowsum_do, lse);
+      std::fill(dq, dq + d, 0.0f);
+      const std::int64_t dbias_row = b * p.dbias_stride[0] + h * p.dbias_stride[1] + i * p.dbias_stride[2];
+      if (write_dbias) {
+        for (std::int64_t j = 0; j < L; ++j) core::store_from_double(p.dbias, p.bias_type, dbias_row + j * p.dbias_stride[3], 0.0);
+      }
+      const bool row_nan = scalar_backward_row<T>(
+          p, b, h, i, q, dout, rowsum_do, lse, [&](std::int64_t j) { return ws.v.data() + j * d; },
+          [&](std::int64_t j, float pj, float sds) {
+            const float* krow = ws.k.data() + j * d;
+            float* dkrow = ws.dk.data() + j * d;
+            float* dvrow = ws.dv.data() + j * d;
+            for (std::int64_t c = 0; c < d; ++c) {
+              dq[c] += sds * krow[c];
+              dkrow[c] += sds * q[c];
+              dvrow[c] += pj * dout[c];
+            }
+            if (write_dbias) {
+              core::store_from_double(p.dbias, p.bias_type, dbias_row + j * p.dbias_stride[3], static_cast<double>(sds));
+            }
+          });
+      // A NaN score reaches every gradient of its row and, through dK and dV, the whole kv head
+      // (as in dense attention; the AVX2 backward does the same).
+      head_nan |= row_nan;
+      for (std::int64_t c = 0; c < d; ++c) {
+        core::store_from_double(p.dq, p.output_type, core::offset4(p.dq_stride, b, i, h, c),
+                                static_cast<double>(row_nan ? nan : dq[c]));
+      }
+    }
+  }
+  for (std::int64_t j = 0; j < L; ++j) {
+    for (std::int64_t c = 0; c < d; ++c) {
+      const auto at = static_cast<std::size_t>(j * d + c);
+      core::store_from_double(p.dk, p.output_type, core::offset4(p.dk_stride, b, j, hk, c),
+                              static_cast<double>(head_nan ? nan : ws.dk[at]));
+      core::store_from_double(p.dv, p.output_type, core::offset4(p.dv_stride, b, j, hk, c),
+                              static_cast<double>(head_nan ? nan : ws.dv[at]));
+    }
+  }
+}
+
+/// One row (bb, hb, i) of a dbias with broadcast dimensions (task t): the sum of scale dS over the
+/// (batch, head) pairs it broadcasts to, in increasing (batch, head) order, in fp32.
+template <typename T>
+void scalar_dbias_task(const attention_params& p, std::vector<float>& acc, std::int64_t t) {
+  const std::int64_t d = p.head_dim, L = p.seqlen_k;
+  const std::int64_t group = p.heads / p.heads_kv;
+  const std::int64_t hb_count = p.dbias_stride[1] == 0 ? 1 : p.heads;
+  const std::int64_t i = t % p.seqlen_q, hb = (t / p.seqlen_q) % hb_count, bb = t / (p.seqlen_q * hb_count);
+  const std::int64_t b_lo = p.dbias_stride[0] == 0 ? 0 : bb, b_hi = p.dbias_stride[0] == 0 ? p.batch : bb + 1;
+  const std::int64_t h_lo = hb_count == 1 ? 0 : hb, h_hi = hb_count == 1 ? p.heads : hb + 1;
+  acc.assign(static_cast<std::size_t>(L), 0.0f);
+  float q[512], dout[512], vrow[512];
+  for (std::int64_t b = b_lo; b < b_hi; ++b) {
+    for (std::int64_t h = h_lo; h < h_hi; ++h) {
+      const std::int64_t hk = h / group;
+      float rowsum_do = 0.0f, lse = 0.0f;
+      scalar_row_inputs<T>(p, b, h, i, q, dout, rowsum_do, lse);
+      scalar_backward_row<T>(
+          p, b, h, i, q, dout, rowsum_do, lse,
+          [&](std::int64_t j) {
+            for (std::int64_t c = 0; c < d; ++c) vrow[c] = load<T>(p.v, core::offset4(p.v_stride, b, j, hk, c));
+            return static_cast<const float*>(vrow);
+          },
+          [&](std::int64_t j, float, float sds) { acc[static_cast<std::size_t>(j)] += sds; });
+    }
+  }
+  const std::int64_t row = bb * p.dbias_stride[0] + hb * p.dbias_stride[1] + i * p.dbias_stride[2];
+  for (std::int64_t j = 0; j < L; ++j) {
+    core::store_from_double(p.dbias, p.bias_type, row + j * p.dbias_stride[3], static_cast<double>(acc[static_cast<std::size_t>(j)]));
+  }
+}
+
+/// Parallel over (batch, kv head): each task owns its dK, dV rows and its heads' dQ (and dBias)
+/// rows, so no two threads write the same element and the summation order is fixed. A dbias with
+/// broadcast dimensions then gets its own pass, parallel over its rows, each summed by one thread
+/// in a fixed order. False when an allocation failed (exceptions must not leave the parallel
+/// regions).
+template <typename T>
+bool scalar_backward(const attention_params& p) {
+  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
+  std::atomic<bool> out_of_memory{false};
+  const std::int64_t tasks = p.batch * p.heads_kv;
+#pragma omp parallel num_threads(threads)
+  {
+    scalar_backward_scratch ws;
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tasks; ++t) {
+      if (out_of_memory) continue;
+      try {
+        scalar_backward_task<T>(p, ws, t);
+      } catch (const std::bad_alloc&) {
+        out_of_memory = true;
+      }
+    }
+  }
+  if (out_of_memory || !dbias_broadcast(p)) return !out_of_memory;
+  const std::int64_t rows =
+      (p.dbias_stride[0] == 0 ? 1 : p.batch) * (p.dbias_stride[1] == 0 ? 1 : p.heads) * p.seqlen_q;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> acc;
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < rows; ++t) {
+      if (out_of_memory) continue;
+      try {
+        scalar_dbias_task<T>(p, acc, t);
+      } catch (const std::bad_alloc&) {
+        out_of_memory = true;
+      }
+    }
+  }
+  return !out_of_memory;
+}
+
 }  // namespace
 
 status fused_forward_scalar(const attention_params& p) noexcept {
@@ -125,6 +358,26 @@ status fused_forward_scalar(const attention_params& p) noexcept {
               std::string("dfss cpu fused forward: input type ") + dtype_name(p.input_type) +
                   " (the cpu backend takes f32, f16 and bf16; use the reference backend for f64)"};
   }
+  return status::success();
+}
+
+status fused_backward_scalar(const attention_params& p) noexcept {
+  if (p.head_dim > 512) {
+    return {status_code::unsupported, "dfss cpu scalar backward: head_dim above 512"};
+  }
+  if (p.o == nullptr || p.lse == nullptr) {
+    return {status_code::internal, "dfss cpu scalar backward: called without the forward's output and LSE"};
+  }
+  bool ok = false;
+  switch (p.input_type) {
+    case dtype::f32: ok = scalar_backward<float>(p); break;
+    case dtype::f16: ok = scalar_backward<half>(p); break;
+    case dtype::bf16: ok = scalar_backward<bfloat16>(p); break;
+    default:
+      return {status_code::unsupported, std::string("dfss cpu scalar backward: input type ") + dtype_name(p.input_type) +
+                                            " (the cpu backend takes f32, f16 and bf16; use the reference backend for f64)"};
+  }
+  if (!ok) return {status_code::internal, "dfss cpu scalar backward: out of memory for the fp32 keys and values"};
   return status::success();
 }
 

@@ -2,8 +2,11 @@
 // tools/scripts/check-aarch64.sh and run under qemu-user, it compares the automatic CPU kernel
 // (which must be the portable one on ARM) with the fp64 reference backend on small-integer inputs,
 // whose scores are exact, so selections must match and only the softmax carries rounding
-// (tolerance as in tests/unit/test_cpu.cpp). Prints "N passed, M failed" and exits non-zero on any
-// failure.
+// (tolerance as in tests/unit/test_cpu.cpp); then the same for the backward pass, which must be the
+// portable backward twin (tolerance as in tests/unit/test_cpu_backward_twins.cpp), and a trip test
+// that the backward keeps exactly the keys the forward kept on near-tied scores (here the compiler
+// fuses multiply-adds into FMA, so this is where a second copy of the score code could drift). Prints
+// "N passed, M failed" and exits non-zero on any failure.
 #include <dfss/dfss.hpp>
 
 #include <cmath>
@@ -21,6 +24,133 @@ void check(bool ok, const char* what, long long a, long long b, long long c, con
   } else {
     ++failed;
     std::printf("FAIL %s (Lq=%lld Lk=%lld d=%lld pattern %s)\n", what, a, b, c, pat);
+  }
+}
+
+/// Largest |got - want| over all elements, or infinity when a value is not finite (outputs are
+/// poisoned with NaN before the call, so this also checks that every element was written).
+double max_err(const std::vector<float>& got, const std::vector<double>& want, double& max_want) {
+  double err = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    err = std::fmax(err, std::fabs(static_cast<double>(got[i]) - want[i]));
+    max_want = std::fmax(max_want, std::fabs(want[i]));
+  }
+  return err;
+}
+
+/// The automatic backward (the portable twin on ARM) against the fp64 reference backward on
+/// small-integer inputs (exact scores, so the selections match), with grouped heads, causal masks,
+/// a bias (dBias checked too) and key lengths that empty a batch. Kept to a few small shapes: it
+/// runs under qemu.
+void check_backward(std::mt19937& rng) {
+  std::uniform_int_distribution<int> small(-3, 3);
+  struct shape {
+    std::int64_t B, Lq, Lk, H, Hkv, d;
+  };
+  for (const shape s : {shape{1, 5, 9, 2, 1, 3}, shape{2, 33, 70, 4, 2, 16}}) {
+    for (dfss::pattern pat : {dfss::pattern{1, 1}, dfss::pattern{1, 2}, dfss::pattern{2, 4}, dfss::pattern{3, 8}}) {
+      for (bool causal : {false, true}) {
+        const auto nq = static_cast<std::size_t>(s.B * s.Lq * s.H * s.d), nk = static_cast<std::size_t>(s.B * s.Lk * s.Hkv * s.d);
+        const auto nb = static_cast<std::size_t>(s.B * s.H * s.Lq * s.Lk);
+        std::vector<float> q(nq), k(nk), v(nk), dout(nq), bias(nb), dq(nq, NAN), dk(nk, NAN), dv(nk, NAN), dbias(nb, NAN);
+        std::vector<double> q64(nq), k64(nk), v64(nk), dout64(nq), bias64(nb), dq64(nq), dk64(nk), dv64(nk), dbias64(nb);
+        for (std::size_t i = 0; i < nq; ++i) q64[i] = q[i] = static_cast<float>(small(rng));
+        for (std::size_t i = 0; i < nq; ++i) dout64[i] = dout[i] = static_cast<float>(small(rng));
+        for (std::size_t i = 0; i < nk; ++i) k64[i] = k[i] = static_cast<float>(small(rng));
+        for (std::size_t i = 0; i < nk; ++i) v64[i] = v[i] = static_cast<float>(small(rng));
+        for (std::size_t i = 0; i < nb; ++i) bias64[i] = bias[i] = static_cast<float>(small(rng));
+        std::vector<std::int64_t> lens(static_cast<std::size_t>(s.B), s.Lk - s.Lk / 3);
+        if (s.B > 1) lens[1] = 0;
+        dfss::backward_args a;
+        a.q = dfss::make_view(q.data(), {s.B, s.Lq, s.H, s.d});
+        a.k = dfss::make_view(k.data(), {s.B, s.Lk, s.Hkv, s.d});
+        a.v = dfss::make_view(v.data(), {s.B, s.Lk, s.Hkv, s.d});
+        a.dout = dfss::make_view(dout.data(), {s.B, s.Lq, s.H, s.d});
+        a.bias = dfss::make_view(bias.data(), {s.B, s.H, s.Lq, s.Lk});
+        a.key_lengths = dfss::make_view(lens.data(), {s.B});
+        a.dq = dfss::make_view(dq.data(), {s.B, s.Lq, s.H, s.d});
+        a.dk = dfss::make_view(dk.data(), {s.B, s.Lk, s.Hkv, s.d});
+        a.dv = dfss::make_view(dv.data(), {s.B, s.Lk, s.Hkv, s.d});
+        a.dbias = dfss::make_view(dbias.data(), {s.B, s.H, s.Lq, s.Lk});
+        dfss::attention_config cfg;
+        cfg.pattern = pat;
+        cfg.causal = causal;
+        const auto sel = dfss::select_kernel(a, cfg);
+        check(sel.name == "cpu.fused_backward.portable", "automatic selects the portable backward", s.Lq, s.Lk, s.d,
+              pat.str().c_str());
+        dfss::attention_backward(a, cfg);
+        dfss::backward_args r;
+        r.q = dfss::make_view(q64.data(), {s.B, s.Lq, s.H, s.d});
+        r.k = dfss::make_view(k64.data(), {s.B, s.Lk, s.Hkv, s.d});
+        r.v = dfss::make_view(v64.data(), {s.B, s.Lk, s.Hkv, s.d});
+        r.dout = dfss::make_view(dout64.data(), {s.B, s.Lq, s.H, s.d});
+        r.bias = dfss::make_view(bias64.data(), {s.B, s.H, s.Lq, s.Lk});
+        r.key_lengths = a.key_lengths;
+        r.dq = dfss::make_view(dq64.data(), {s.B, s.Lq, s.H, s.d});
+        r.dk = dfss::make_view(dk64.data(), {s.B, s.Lk, s.Hkv, s.d});
+        r.dv = dfss::make_view(dv64.data(), {s.B, s.Lk, s.Hkv, s.d});
+        r.dbias = dfss::make_view(dbias64.data(), {s.B, s.H, s.Lq, s.Lk});
+        cfg.backend = dfss::backend::reference;
+        dfss::attention_backward(r, cfg);
+        // (64 + terms) fp32 epsilons times (1 + the largest reference gradient), terms = Lk for dQ,
+        // group * Lq for dK and dV, 1 for dBias (see tests/unit/test_cpu_backward_twins.cpp).
+        const double eps = 1.0 / (1 << 23), group = static_cast<double>(s.H / s.Hkv);
+        const struct {
+          const char* what;
+          const std::vector<float>& got;
+          const std::vector<double>& want;
+          double terms;
+        } grads[] = {{"portable backward dq vs reference", dq, dq64, static_cast<double>(s.Lk)},
+                     {"portable backward dk vs reference", dk, dk64, group * static_cast<double>(s.Lq)},
+                     {"portable backward dv vs reference", dv, dv64, group * static_cast<double>(s.Lq)},
+                     {"portable backward dbias vs reference", dbias, dbias64, 1.0}};
+        for (const auto& g : grads) {
+          double max_want = 0;
+          const double err = max_err(g.got, g.want, max_want);
+          check(err <= (64.0 + g.terms) * eps * (1.0 + max_want), g.what, s.Lq, s.Lk, s.d, pat.str().c_str());
+        }
+      }
+    }
+  }
+}
+
+/// Near-ties everywhere (keys equal up to noise below one fp32 ulp of the score; see
+/// UsesExactlyItsForwardSelection in tests/unit/test_cpu_backward_twins.cpp): with V = I the
+/// forward's O[i, j] > 0 exactly where row i kept key j, and with a zero bias dBias[i, j] != 0
+/// exactly where the backward kept it.
+void check_backward_selection(std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(0.5f, 1.5f), tiny(-4e-7f, 4e-7f);
+  const std::int64_t Lk = 48, d = Lk, Lq = 24;
+  for (dfss::pattern pat : {dfss::pattern{1, 2}, dfss::pattern{2, 4}, dfss::pattern{3, 8}}) {
+    std::vector<float> q(static_cast<std::size_t>(Lq * d)), k(static_cast<std::size_t>(Lk * d)),
+        v(static_cast<std::size_t>(Lk * d), 0.0f), o(q.size()), lse(static_cast<std::size_t>(Lq)), dout(q.size()),
+        dq(q.size()), dk(k.size()), dv(v.size()), bias(static_cast<std::size_t>(Lq * Lk), 0.0f), dbias(bias.size(), NAN);
+    for (auto& x : q) x = u(rng);
+    for (auto& x : dout) x = u(rng) - 1.0f;
+    for (auto& x : k) x = 1.0f + tiny(rng);
+    for (std::int64_t j = 0; j < Lk; ++j) v[static_cast<std::size_t>(j * d + j)] = 1.0f;
+    dfss::forward_args f;
+    f.q = dfss::make_view(q.data(), {1, Lq, 1, d});
+    f.k = dfss::make_view(k.data(), {1, Lk, 1, d});
+    f.v = dfss::make_view(v.data(), {1, Lk, 1, d});
+    f.out = dfss::make_view(o.data(), {1, Lq, 1, d});
+    f.lse = dfss::make_view(lse.data(), {1, 1, Lq});
+    f.bias = dfss::make_view(bias.data(), {1, 1, Lq, Lk});
+    dfss::attention_config cfg;
+    cfg.pattern = pat;
+    dfss::attention_forward(f, cfg);
+    dfss::backward_args b;
+    b.q = f.q, b.k = f.k, b.v = f.v, b.out = f.out, b.lse = f.lse, b.bias = f.bias;
+    b.dout = dfss::make_view(dout.data(), {1, Lq, 1, d});
+    b.dq = dfss::make_view(dq.data(), {1, Lq, 1, d});
+    b.dk = dfss::make_view(dk.data(), {1, Lk, 1, d});
+    b.dv = dfss::make_view(dv.data(), {1, Lk, 1, d});
+    b.dbias = dfss::make_view(dbias.data(), {1, 1, Lq, Lk});
+    dfss::attention_backward(b, cfg);
+    bool same = true;
+    for (std::size_t x = 0; x < bias.size(); ++x) same = same && (dbias[x] != 0.0f) == (o[x / Lk * d + x % Lk] > 0.0f);
+    check(same, "portable backward keeps the portable forward's near-tie selection", Lq, Lk, d, pat.str().c_str());
   }
 }
 
@@ -73,6 +203,8 @@ int main() {
       }
     }
   }
+  check_backward(rng);
+  check_backward_selection(rng);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

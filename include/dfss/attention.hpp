@@ -51,6 +51,9 @@ struct attention_config {
   dfss::cpu_algorithm cpu_algorithm = dfss::cpu_algorithm::fused;
   /// CPU backend: instruction set (automatic: the best supported by this CPU).
   dfss::cpu_isa cpu_isa = dfss::cpu_isa::automatic;
+  /// CUDA backend: the cudaStream_t to enqueue on (null: the legacy default stream). Calls on the
+  /// cuda backend return once the work is enqueued; they never synchronise with the host.
+  void* cuda_stream = nullptr;
 };
 
 /// @brief Arguments of the forward pass. Absent optional views are default-constructed.
@@ -107,6 +110,7 @@ enum class kernel_kind : int {
   cpu_fused_backward_avx2,
   cpu_fused_backward_scalar,
   cpu_fused_backward_portable,
+  cuda_three_stage_forward,  ///< SDDMM + register N:M selection -> compressed softmax -> mma.sp SpMM
 };
 
 /// @brief The selector's answer: supported or not, and what runs.

@@ -6,6 +6,9 @@
 #include "core/select.hpp"
 #include "core/validate.hpp"
 #include "cpu/fused_forward.hpp"
+#if defined(DFSS_WITH_CUDA_BACKEND)
+#include "cuda/attention_cuda.hpp"
+#endif
 #include "dfss/attention.hpp"
 #include "ref/reference.hpp"
 
@@ -21,13 +24,17 @@ status unsupported(const char* op, const kernel_selection& s) {
               s.reason};
 }
 
-status run_forward(const attention_params& p, const kernel_selection& s) {
+status run_forward(const attention_params& p, const kernel_selection& s, const attention_config& config) {
+  (void)config;  // read only by the CUDA backend (its stream)
   switch (s.kind) {
     case kernel_kind::reference_forward: return ref::reference_forward(p);
     case kernel_kind::cpu_fused_forward_scalar: return cpu::fused_forward_scalar(p);
     case kernel_kind::cpu_fused_forward_avx2: return cpu::fused_forward_avx2(p);
     case kernel_kind::cpu_fused_forward_portable: return cpu::fused_forward_portable(p);
     case kernel_kind::cpu_three_stage_forward: return cpu::three_stage_forward(p);
+#if defined(DFSS_WITH_CUDA_BACKEND)
+    case kernel_kind::cuda_three_stage_forward: return cuda::attention_forward(p, config.cuda_stream);
+#endif
     default: break;
   }
   return {status_code::internal, std::string(kForwardOp) + ": selector chose '" + s.name +
@@ -96,7 +103,7 @@ status try_attention_forward(const forward_args& args, const attention_config& c
               std::string(kForwardOp) + ": the compressed outputs need the cpu three-stage kernel, but '" +
                   s.name + "' was selected (the cpu backend takes f32, f16 and bf16 inputs)"};
     }
-    return run_forward(p, s);
+    return run_forward(p, s, config);
   } catch (const std::exception& e) {
     return {status_code::internal, std::string(kForwardOp) + ": " + e.what()};
   }

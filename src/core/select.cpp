@@ -5,6 +5,9 @@
 #include <string>
 
 #include "cpu/isa.hpp"
+#if defined(DFSS_WITH_CUDA_BACKEND)
+#include "cuda/attention_cuda.hpp"
+#endif
 
 namespace dfss::core {
 namespace {
@@ -82,14 +85,30 @@ kernel_selection select_cpu(const attention_params& p, const attention_config& c
   return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
 }
 
+kernel_selection select_cuda(const attention_params& p, direction dir) {
+#if defined(DFSS_WITH_CUDA_BACKEND)
+  if (dir == direction::backward) {
+    return reject(backend::cuda, "the CUDA backend has no backward kernels yet; use backend cpu or reference");
+  }
+  const std::string why = cuda::forward_unsupported_reason(p);
+  if (!why.empty()) return reject(backend::cuda, why);
+  kernel_selection s = make(kernel_kind::cuda_three_stage_forward, backend::cuda, "");
+  s.name = cuda::forward_kernel_name(p);
+  return s;
+#else
+  (void)p;
+  (void)dir;
+  return reject(backend::cuda, "this build of dfss has no CUDA attention kernels");
+#endif
+}
+
 }  // namespace
 
 kernel_selection select(const attention_params& p, const attention_config& config, direction dir) {
   switch (config.backend) {
     case backend::reference: return select_reference(dir);
     case backend::cpu: return select_cpu(p, config, dir);
-    case backend::cuda:
-      return reject(backend::cuda, "this build of dfss has no CUDA attention kernels");
+    case backend::cuda: return select_cuda(p, dir);
     case backend::automatic: {
       kernel_selection s = select_cpu(p, config, dir);
       return s.supported() ? s : select_reference(dir);

@@ -1,0 +1,62 @@
+// src/cuda/warp/sddmm_epilogue.hpp: the SDDMM epilogue's per-lane index maths (masking of a unit's
+// accumulators and where each kept value is stored), as host+device functions shared by the kernel
+// (src/cuda/sddmm_select.cu) and the CPU simulation tests (tests/unit/test_cuda_warp.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/warp/mma_fragments.hpp"
+#include "dfss/config.hpp"
+
+namespace dfss::cuda::warp {
+
+/// -inf without library calls (valid in host and device code).
+DFSS_HD float neg_inf_f32() { return -__builtin_huge_valf(); }
+
+/// Which keys a row sees (dfss-semantics.md, forward step 2): keys past the end (padding of the
+/// last tile), keys at or past the batch's valid length, and with a causal mask keys after
+/// row + causal_offset (causal_offset = Lk - Lq: bottom-right alignment) are masked to -inf.
+struct score_mask {
+  std::int64_t keys;           ///< Lk
+  std::int64_t kv_len;         ///< valid keys of this batch, <= Lk
+  bool causal;                 ///< apply the causal rule
+  std::int64_t causal_offset;  ///< Lk - Lq
+
+  DFSS_HD bool visible(std::int64_t row, std::int64_t key) const {
+    return key < keys && key < kv_len && (!causal || key <= row + causal_offset);
+  }
+};
+
+/// @brief Sets to -inf every accumulator of lane @p lane's 16-bit unit (rows row0.., keys key0..)
+/// that @p m masks. Selection then runs on the masked fp32 scores, as the semantics require.
+template <typename T>
+DFSS_HD void apply_unit16_mask(T (&acc)[2][4][4], int lane, std::int64_t row0, std::int64_t key0,
+                               const score_mask& m) {
+DFSS_UNROLL
+  for (int i = 0; i < 2; ++i) {
+DFSS_UNROLL
+    for (int j = 0; j < 4; ++j) {
+DFSS_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        const frag_coord c = sddmm16_acc_coord(lane, i, j, r);
+        if (!m.visible(row0 + c.row, key0 + c.col)) acc[i][j][r] = static_cast<T>(neg_inf_f32());
+      }
+    }
+  }
+}
+
+/// Where a lane stores a pair of kept values: row and compressed column of the first of the two
+/// (the second is at ccol + 1).
+struct unit16_store {
+  std::int64_t row;
+  std::int64_t ccol;
+};
+
+/// @brief Store position of elements @p e and e + 1 (e even) of lane @p lane's sparse A fragment
+/// of m16 tile @p i in a unit at rows row0.., keys key0.. (compressed columns key0 / 2..).
+DFSS_HD unit16_store unit16_value_store(int lane, int i, int e, std::int64_t row0, std::int64_t key0) {
+  const frag_coord c = mma_sp_a16_coord(lane, e);
+  return {row0 + 16 * i + c.row, key0 / 2 + c.col};
+}
+
+}  // namespace dfss::cuda::warp

@@ -1,0 +1,331 @@
+// GPU tests of the CUDA attention backend (CTest label gpu). Without a CUDA device the binary
+// prints the reason and exits 77 (reported as skipped).
+//   - One warp, one mma.sp::ordered_metadata m16n8k32 per case (bf16 and f16, selectors 0 and 1):
+//     fragments placed with the warp headers' maps, every one of the six legal nibbles in every
+//     lane and register half, the lanes the selector does not name holding a different legal
+//     pattern; the result must equal the host's dense product exactly (small-integer inputs).
+//   - The whole forward (backend cuda) against the fp64 reference on awkward shapes: Lq != Lk, tails
+//     that are not multiples of any tile, key lengths including empty rows, causal, grouped heads,
+//     d = 64 and 128, 1:2 and 2:4, f16 and bf16, f32 and 16-bit outputs. Scores are small-integer
+//     dot products, exact in f32 and f64, so the selection must match the reference exactly; values
+//     are compared with tolerances for the 16-bit intermediates.
+//   - A CUDA graph capture of a call on a non-default stream replays to the same result.
+//   - Clear errors: host pointers and unsupported shapes are rejected with the reason.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/ptx.cuh"
+#include "cuda/warp/mma_fragments.hpp"
+#include "dfss/dfss.hpp"
+
+namespace {
+
+namespace w = dfss::cuda::warp;
+
+#define CUDA_OK(expr)                                                                         \
+  do {                                                                                        \
+    const cudaError_t e_ = (expr);                                                            \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorName(e_) << ": " << cudaGetErrorString(e_); \
+  } while (0)
+
+template <typename T>
+struct device_array {
+  T* ptr = nullptr;
+  explicit device_array(std::size_t n) {
+    if (cudaMalloc(reinterpret_cast<void**>(&ptr), (n > 0 ? n : 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
+  }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+  ~device_array() { cudaFree(ptr); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// One warp, one mma.sp.
+template <typename T, int F>
+__global__ void one_mma_sp_kernel(const float* a_comp, const std::uint32_t* meta, const float* b, float* d) {
+  const int lane = static_cast<int>(threadIdx.x);
+  std::uint32_t af[4], bf[4];
+  for (int e = 0; e < 8; e += 2) {
+    const w::frag_coord c0 = w::mma_sp_a16_coord(lane, e);
+    const w::frag_coord c1 = w::mma_sp_a16_coord(lane, e + 1);
+    af[e / 2] = dfss::cuda::ptx::elem<T>::pack(a_comp[c0.row * 16 + c0.col], a_comp[c1.row * 16 + c1.col]);
+    const w::frag_coord k0 = w::mma_sp_b16_coord(lane, e);
+    const w::frag_coord k1 = w::mma_sp_b16_coord(lane, e + 1);
+    bf[e / 2] = dfss::cuda::ptx::elem<T>::pack(b[k0.row * 8 + k0.col], b[k1.row * 8 + k1.col]);
+  }
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  dfss::cuda::ptx::mma_sp_m16n8k32<T, F>(acc, af, bf, meta[lane]);
+  for (int r = 0; r < 4; ++r) {
+    const w::frag_coord c = w::mma_c_coord(lane, r);
+    d[c.row * 8 + c.col] = acc[r];
+  }
+}
+
+bool have_gpu(std::string& why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    why = std::string("no usable CUDA device: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+    return false;
+  }
+  if (n == 0) {
+    why = "no CUDA device";
+    return false;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  if (prop.major < 8) {
+    why = std::string("device 0 (") + prop.name + ") is older than sm_80: no sparse tensor cores";
+    return false;
+  }
+  return true;
+}
+
+template <typename T, int F>
+void check_one_mma_sp(int rotation) {
+  const std::uint32_t kNibbles[6] = {0x4, 0x8, 0xC, 0x9, 0xD, 0xE};
+  std::mt19937 rng(1234u + static_cast<unsigned>(rotation));
+  std::uniform_int_distribution<int> val(-4, 4);
+  std::vector<float> a_comp(16 * 16), b(32 * 8), dense(16 * 32, 0.0f);
+  std::vector<std::uint32_t> meta(32, 0xEEEEEEEEu);  // lanes the selector does not name
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < 8; ++c) {
+      const std::uint32_t nib = kNibbles[(r + c + rotation) % 6];
+      const float v0 = static_cast<float>(val(rng));
+      const float v1 = static_cast<float>(val(rng));
+      a_comp[static_cast<std::size_t>(r * 16 + 2 * c)] = v0;
+      a_comp[static_cast<std::size_t>(r * 16 + 2 * c + 1)] = v1;
+      dense[static_cast<std::size_t>(r * 32 + 4 * c + static_cast<int>(nib & 3u))] = v0;
+      dense[static_cast<std::size_t>(r * 32 + 4 * c + static_cast<int>(nib >> 2))] = v1;
+      const w::meta_slot s = w::mma_sp_meta_slot(r, c, F);
+      std::uint32_t& word = meta[static_cast<std::size_t>(s.lane)];
+      if (word == 0xEEEEEEEEu) word = 0;
+      word |= nib << s.shift;
+    }
+  }
+  for (auto& x : b) x = static_cast<float>(val(rng));
+  device_array<float> da(a_comp.size()), db(b.size()), dd(16 * 8);
+  device_array<std::uint32_t> dm(32);
+  CUDA_OK(cudaMemcpy(da.ptr, a_comp.data(), a_comp.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(db.ptr, b.data(), b.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dm.ptr, meta.data(), 32 * 4, cudaMemcpyHostToDevice));
+  one_mma_sp_kernel<T, F><<<1, 32>>>(da.ptr, dm.ptr, db.ptr, dd.ptr);
+  CUDA_OK(cudaGetLastError());
+  std::vector<float> d(16 * 8);
+  CUDA_OK(cudaMemcpy(d.data(), dd.ptr, d.size() * 4, cudaMemcpyDeviceToHost));
+  for (int r = 0; r < 16; ++r) {
+    for (int n = 0; n < 8; ++n) {
+      double want = 0.0;
+      for (int k = 0; k < 32; ++k) want += dense[static_cast<std::size_t>(r * 32 + k)] * b[static_cast<std::size_t>(k * 8 + n)];
+      ASSERT_EQ(d[static_cast<std::size_t>(r * 8 + n)], want) << "row " << r << " col " << n << " selector " << F;
+    }
+  }
+}
+
+TEST(CudaMmaSp, OneWarpAllSixNibblesBothSelectors) {
+  for (int rot = 0; rot < 6; ++rot) {
+    check_one_mma_sp<__nv_bfloat16, 0>(rot);
+    check_one_mma_sp<__nv_bfloat16, 1>(rot);
+    check_one_mma_sp<__half, 0>(rot);
+    check_one_mma_sp<__half, 1>(rot);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// End to end against the fp64 reference.
+struct e2e_case {
+  std::int64_t B, Lq, Lk, H, Hkv, d;
+  dfss::pattern pat;
+  bool causal;
+  bool bf16;
+  bool out_f32;
+  std::vector<std::int64_t> lens;  // empty: none
+};
+
+template <typename T>
+void run_e2e(const e2e_case& c) {
+  const std::string what = "B=" + std::to_string(c.B) + " Lq=" + std::to_string(c.Lq) + " Lk=" + std::to_string(c.Lk) +
+                           " H=" + std::to_string(c.H) + " Hkv=" + std::to_string(c.Hkv) + " d=" + std::to_string(c.d) +
+                           " " + c.pat.str() + " causal=" + std::to_string(c.causal) + (c.bf16 ? " bf16" : " f16") +
+                           (c.out_f32 ? " out f32" : " out 16-bit") + " lens=" + std::to_string(c.lens.size());
+  SCOPED_TRACE(what);
+  std::mt19937 rng(99u);
+  std::uniform_int_distribution<int> small(-2, 2);
+  std::uniform_real_distribution<double> real(-1.0, 1.0);
+  const std::size_t nq = static_cast<std::size_t>(c.B * c.Lq * c.H * c.d);
+  const std::size_t nkv = static_cast<std::size_t>(c.B * c.Lk * c.Hkv * c.d);
+  std::vector<T> q(nq), k(nkv), v(nkv);
+  for (auto& x : q) x = dfss::from_double<T>(small(rng));
+  for (auto& x : k) x = dfss::from_double<T>(small(rng));
+  for (auto& x : v) x = dfss::from_double<T>(real(rng));
+
+  // Reference on the host (same 16-bit inputs, fp64 maths).
+  std::vector<float> o_ref(nq), lse_ref(static_cast<std::size_t>(c.B * c.H * c.Lq));
+  dfss::forward_args ra;
+  ra.q = dfss::make_view(q.data(), {c.B, c.Lq, c.H, c.d});
+  ra.k = dfss::make_view(k.data(), {c.B, c.Lk, c.Hkv, c.d});
+  ra.v = dfss::make_view(v.data(), {c.B, c.Lk, c.Hkv, c.d});
+  ra.out = dfss::make_view(o_ref.data(), {c.B, c.Lq, c.H, c.d});
+  ra.lse = dfss::make_view(lse_ref.data(), {c.B, c.H, c.Lq});
+  std::vector<std::int64_t> lens = c.lens;
+  if (!lens.empty()) ra.key_lengths = dfss::make_view(lens.data(), {c.B});
+  dfss::attention_config cfg;
+  cfg.pattern = c.pat;
+  cfg.causal = c.causal;
+  cfg.backend = dfss::backend::reference;
+  dfss::attention_forward(ra, cfg);
+
+  // Device run.
+  device_array<T> dq(nq), dk(nkv), dv(nkv);
+  device_array<float> dlse(lse_ref.size());
+  device_array<float> do32(c.out_f32 ? nq : 0);
+  device_array<T> do16(c.out_f32 ? 0 : nq);
+  device_array<std::int64_t> dlens(lens.size());
+  CUDA_OK(cudaMemcpy(dq.ptr, q.data(), nq * sizeof(T), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dk.ptr, k.data(), nkv * sizeof(T), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dv.ptr, v.data(), nkv * sizeof(T), cudaMemcpyHostToDevice));
+  if (!lens.empty()) CUDA_OK(cudaMemcpy(dlens.ptr, lens.data(), lens.size() * 8, cudaMemcpyHostToDevice));
+  dfss::forward_args ga;
+  ga.q = dfss::make_view(dq.ptr, {c.B, c.Lq, c.H, c.d});
+  ga.k = dfss::make_view(dk.ptr, {c.B, c.Lk, c.Hkv, c.d});
+  ga.v = dfss::make_view(dv.ptr, {c.B, c.Lk, c.Hkv, c.d});
+  ga.out = c.out_f32 ? dfss::make_view(do32.ptr, {c.B, c.Lq, c.H, c.d}) : dfss::make_view(do16.ptr, {c.B, c.Lq, c.H, c.d});
+  ga.lse = dfss::make_view(dlse.ptr, {c.B, c.H, c.Lq});
+  if (!lens.empty()) ga.key_lengths = dfss::make_view(dlens.ptr, {c.B});
+  cfg.backend = dfss::backend::cuda;
+  const dfss::kernel_selection sel = dfss::select_kernel(ga, cfg);
+  ASSERT_TRUE(sel.supported()) << sel.reason;
+  dfss::attention_forward(ga, cfg);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> o(nq), lse(lse_ref.size());
+  if (c.out_f32) {
+    CUDA_OK(cudaMemcpy(o.data(), do32.ptr, nq * 4, cudaMemcpyDeviceToHost));
+  } else {
+    std::vector<T> o16(nq);
+    CUDA_OK(cudaMemcpy(o16.data(), do16.ptr, nq * sizeof(T), cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < nq; ++i) o[i] = static_cast<float>(dfss::to_double(o16[i]));
+  }
+  CUDA_OK(cudaMemcpy(lse.data(), dlse.ptr, lse.size() * 4, cudaMemcpyDeviceToHost));
+  // Tolerances: the intermediates are 16-bit (scores scaled to base 2, then probabilities), so
+  // errors are a few units of the 16-bit type's precision: bf16 8 bits, f16 11 bits.
+  const double tol = c.bf16 ? 3e-2 : 5e-3;
+  for (std::size_t i = 0; i < nq; ++i) {
+    ASSERT_NEAR(o[i], o_ref[i], tol) << "out element " << i;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(lse_ref[i])) {
+      ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "lse " << i << " = " << lse[i] << ", want -inf";
+    } else {
+      ASSERT_NEAR(lse[i], lse_ref[i], tol * std::max(1.0, std::fabs(static_cast<double>(lse_ref[i])))) << "lse " << i;
+    }
+  }
+}
+
+TEST(CudaAttention, MatchesTheReferenceOnAwkwardShapes) {
+  const dfss::pattern p24{2, 4}, p12{1, 2};
+  const std::vector<e2e_case> cases = {
+      {1, 1, 1, 1, 1, 64, p24, false, true, true, {}},
+      {2, 45, 77, 2, 1, 64, p24, false, true, true, {}},
+      {2, 45, 77, 2, 2, 128, p12, false, false, false, {}},
+      {2, 130, 129, 4, 2, 64, p24, true, true, false, {}},
+      {3, 70, 200, 2, 1, 128, p24, false, false, true, {200, 0, 131}},
+      {2, 200, 70, 1, 1, 64, p12, true, true, true, {}},
+      {1, 384, 384, 2, 2, 64, p24, false, true, false, {300}},
+      {1, 256, 1000, 1, 1, 128, p24, true, true, true, {}},
+  };
+  for (const e2e_case& c : cases) {
+    if (c.bf16) {
+      run_e2e<dfss::bfloat16>(c);
+    } else {
+      run_e2e<dfss::half>(c);
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// A small case with a tail in both directions, a causal mask, key lengths and an empty batch: the
+// case tools/gpu-check.sh runs under compute-sanitizer memcheck and racecheck.
+TEST(CudaAttention, SmallAwkwardCase) {
+  run_e2e<dfss::bfloat16>({2, 45, 77, 2, 1, 64, dfss::pattern{2, 4}, true, true, true, {77, 0}});
+}
+
+TEST(CudaAttention, GraphCaptureOnAStreamReplaysTheSameResult) {
+  const std::int64_t B = 2, L = 300, H = 2, d = 64;
+  const std::size_t n = static_cast<std::size_t>(B * L * H * d);
+  std::mt19937 rng(7u);
+  std::uniform_real_distribution<double> real(-1.0, 1.0);
+  std::vector<dfss::bfloat16> h(n);
+  for (auto& x : h) x = dfss::from_double<dfss::bfloat16>(real(rng));
+  device_array<dfss::bfloat16> q(n), o1(n), o2(n);
+  CUDA_OK(cudaMemcpy(q.ptr, h.data(), n * 2, cudaMemcpyHostToDevice));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  dfss::forward_args a;
+  a.q = a.k = a.v = dfss::make_view(q.ptr, {B, L, H, d});
+  a.out = dfss::make_view(o1.ptr, {B, L, H, d});
+  dfss::attention_config cfg;
+  cfg.backend = dfss::backend::cuda;
+  cfg.cuda_stream = stream;
+  dfss::attention_forward(a, cfg);
+  a.out = dfss::make_view(o2.ptr, {B, L, H, d});
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  dfss::attention_forward(a, cfg);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<dfss::bfloat16> r1(n), r2(n);
+  CUDA_OK(cudaMemcpy(r1.data(), o1.ptr, n * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(r2.data(), o2.ptr, n * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(r1.data(), r2.data(), n * 2), 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaAttention, RejectsWhatItCannotRunWithAReason) {
+  const std::int64_t B = 1, L = 32, H = 1;
+  std::vector<dfss::bfloat16> host(static_cast<std::size_t>(B * L * H * 96));
+  dfss::forward_args a;
+  a.q = a.k = a.v = dfss::make_view(host.data(), {B, L, H, 64});
+  std::vector<float> out(static_cast<std::size_t>(B * L * H * 64));
+  a.out = dfss::make_view(out.data(), {B, L, H, 64});
+  dfss::attention_config cfg;
+  cfg.backend = dfss::backend::cuda;
+  dfss::kernel_selection s = dfss::select_kernel(a, cfg);
+  EXPECT_FALSE(s.supported());
+  EXPECT_NE(s.reason.find("device"), std::string::npos) << s.reason;
+  device_array<dfss::bfloat16> dev(host.size());
+  a.q = a.k = a.v = dfss::make_view(dev.ptr, {B, L, H, 96});
+  device_array<float> dout(host.size());
+  a.out = dfss::make_view(dout.ptr, {B, L, H, 96});
+  s = dfss::select_kernel(a, cfg);
+  EXPECT_FALSE(s.supported());
+  EXPECT_NE(s.reason.find("head_dim 64 and 128, got 96"), std::string::npos) << s.reason;
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string why;
+  if (!have_gpu(why)) {
+    std::printf("SKIP: %s\n", why.c_str());
+    return 77;
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -35,6 +35,20 @@ void check_tensor(const char* op, const char* name, const at::Tensor& t, int ran
                     ", got ", t.dim(), " dimensions with shape ", shape_of(t));
 }
 
+/// Python's names ("float32"), which is what most callers of the operator write.
+const char* type_name(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return "float64";
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
 bool is_attention_float(at::ScalarType t) {
   return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
@@ -53,11 +67,11 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   check_tensor(op, "v", v, 4, "[B, Lk, Hkv, d]");
   TORCH_CHECK_VALUE(is_attention_float(q.scalar_type()), op,
                     ": argument 'q': expected dtype float64, float32, float16 or bfloat16, got ",
-                    q.scalar_type());
+                    type_name(q.scalar_type()));
   TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type(), op, ": argument 'k': expected dtype ",
-                    q.scalar_type(), " (the dtype of q), got ", k.scalar_type());
+                    type_name(q.scalar_type()), " (the dtype of q), got ", type_name(k.scalar_type()));
   TORCH_CHECK_VALUE(v.scalar_type() == q.scalar_type(), op, ": argument 'v': expected dtype ",
-                    q.scalar_type(), " (the dtype of q), got ", v.scalar_type());
+                    type_name(q.scalar_type()), " (the dtype of q), got ", type_name(v.scalar_type()));
   TORCH_CHECK_VALUE(q.size(3) >= 1, op, ": argument 'q': expected shape[3] (head_dim) >= 1, got 0");
   check_dim(op, "k", k, 0, "batch", q.size(0));
   check_dim(op, "k", k, 3, "head_dim", q.size(3));
@@ -70,7 +84,7 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     const at::Tensor& kl = *key_lengths;
     check_tensor(op, "key_lengths", kl, 1, "[B]");
     TORCH_CHECK_VALUE(kl.scalar_type() == at::kInt || kl.scalar_type() == at::kLong, op,
-                      ": argument 'key_lengths': expected dtype int32 or int64, got ", kl.scalar_type());
+                      ": argument 'key_lengths': expected dtype int32 or int64, got ", type_name(kl.scalar_type()));
     check_dim(op, "key_lengths", kl, 0, "batch", q.size(0));
   }
   if (attn_bias.has_value() && attn_bias->defined()) {
@@ -78,7 +92,7 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
     check_tensor(op, "attn_bias", b, 4, "[B or 1, H or 1, Lq, Lk]");
     TORCH_CHECK_VALUE(is_attention_float(b.scalar_type()), op,
                       ": argument 'attn_bias': expected dtype float64, float32, float16 or bfloat16, got ",
-                      b.scalar_type());
+                      type_name(b.scalar_type()));
     const std::int64_t want[4] = {q.size(0), q.size(2), q.size(1), k.size(1)};
     const char* what[4] = {"batch or 1", "heads or 1", "seqlen_q", "seqlen_k"};
     for (int d = 0; d < 4; ++d) {
@@ -89,13 +103,34 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   }
 }
 
+/// Rethrows a dfss::error with the operator's name and argument names: invalid arguments become
+/// ValueError, everything else (unsupported, internal) RuntimeError.
+[[noreturn]] void rethrow(const char* op, const dfss::error& e) {
+  std::string msg = e.what();
+  // dfss's messages start with the C++ function ("dfss::attention_forward: ") and name the C++
+  // fields; the user called the operator, whose bias argument is attn_bias.
+  if (msg.rfind("dfss:", 0) == 0) {
+    const auto colon = msg.find(": ");
+    if (colon != std::string::npos) msg.erase(0, colon + 2);
+  }
+  for (const char* field : {"'bias'", "'dbias'"}) {
+    const std::string from = std::string("argument ") + field;
+    const std::string to = field[1] == 'b' ? "argument 'attn_bias'" : "argument 'attn_bias' (its gradient)";
+    for (auto pos = msg.find(from); pos != std::string::npos; pos = msg.find(from, pos + to.size())) {
+      msg.replace(pos, from.size(), to);
+    }
+  }
+  if (e.code() == dfss::status_code::invalid_argument) TORCH_CHECK_VALUE(false, op, ": ", msg);
+  TORCH_CHECK(false, op, ": ", msg);
+}
+
 dfss::attention_config make_config(const char* op, c10::string_view pattern, bool causal,
                                    c10::optional<double> scale) {
   dfss::attention_config config;
   try {
     config.pattern = dfss::pattern::parse(std::string_view(pattern.data(), pattern.size()), "pattern");
   } catch (const dfss::error& e) {
-    TORCH_CHECK_VALUE(false, op, ": ", e.what());
+    rethrow(op, e);
   }
   if (scale.has_value()) {
     TORCH_CHECK_VALUE(std::isfinite(*scale) && *scale > 0.0, op,
@@ -136,27 +171,6 @@ dfss::tensor_view view_of(const at::Tensor& t) {
 
 dfss::tensor_view optional_view(const optional_tensor& t) {
   return t.has_value() && t->defined() ? view_of(*t) : dfss::tensor_view{};
-}
-
-/// Rethrows a dfss::error with the operator's name and argument names: invalid arguments become
-/// ValueError, everything else (unsupported, internal) RuntimeError.
-[[noreturn]] void rethrow(const char* op, const dfss::error& e) {
-  std::string msg = e.what();
-  // dfss's messages start with the C++ function ("dfss::attention_forward: ") and name the C++
-  // fields; the user called the operator, whose bias argument is attn_bias.
-  if (msg.rfind("dfss::", 0) == 0) {
-    const auto colon = msg.find(": ");
-    if (colon != std::string::npos) msg.erase(0, colon + 2);
-  }
-  for (const char* field : {"'bias'", "'dbias'"}) {
-    const std::string from = std::string("argument ") + field;
-    const std::string to = field[1] == 'b' ? "argument 'attn_bias'" : "argument 'attn_bias' (its gradient)";
-    for (auto pos = msg.find(from); pos != std::string::npos; pos = msg.find(from, pos + to.size())) {
-      msg.replace(pos, from.size(), to);
-    }
-  }
-  if (e.code() == dfss::status_code::invalid_argument) TORCH_CHECK_VALUE(false, op, ": ", msg);
-  TORCH_CHECK(false, op, ": ", msg);
 }
 
 at::ScalarType lse_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }

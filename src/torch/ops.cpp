@@ -32,6 +32,11 @@ optional_tensor optional_of(const at::Tensor& t) {
   return t.defined() ? optional_tensor(t) : optional_tensor(c10::nullopt);
 }
 
+/// A present-but-undefined optional (possible from C++) as nullopt.
+optional_tensor optional_of_present(const optional_tensor& t) {
+  return t.has_value() && t->defined() ? t : optional_tensor(c10::nullopt);
+}
+
 /// out = attention(q, k, v) with the forward's N:M selection held fixed in the backward (dfss's
 /// backward recomputes exactly that selection from q, k, bias and masks). lse is an output without
 /// gradient: it is marked non-differentiable, so backpropagating through it alone raises PyTorch's
@@ -40,16 +45,16 @@ class attention_function : public ::torch::autograd::Function<attention_function
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::string& pattern, bool causal,
-                               c10::optional<double> scale, const at::Tensor& key_lengths,
-                               const at::Tensor& attn_bias) {
+                               c10::optional<double> scale, const optional_tensor& key_lengths,
+                               const optional_tensor& attn_bias) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = forward_op().call(q, k, v, pattern, causal, scale, optional_of(key_lengths),
-                                        optional_of(attn_bias));
-    ctx->save_for_backward({q, k, v, out, lse, key_lengths, attn_bias});
+    auto [out, lse] = forward_op().call(q, k, v, pattern, causal, scale, key_lengths, attn_bias);
+    const at::Tensor bias = attn_bias.value_or(at::Tensor());
+    ctx->save_for_backward({q, k, v, out, lse, key_lengths.value_or(at::Tensor()), bias});
     ctx->saved_data["pattern"] = pattern;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
-    ctx->saved_data["bias_requires_grad"] = attn_bias.defined() && attn_bias.requires_grad();
+    ctx->saved_data["bias_requires_grad"] = bias.defined() && bias.requires_grad();
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -76,9 +81,10 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
                                                       bool causal, c10::optional<double> scale,
                                                       const optional_tensor& key_lengths,
                                                       const optional_tensor& attn_bias) {
+  // Absent optionals stay c10::nullopt: torch 1.13's Function::apply rejects undefined tensors.
   const variable_list result = attention_function::apply(
-      q, k, v, std::string(pattern.data(), pattern.size()), causal, scale,
-      key_lengths.has_value() ? *key_lengths : at::Tensor(), attn_bias.has_value() ? *attn_bias : at::Tensor());
+      q, k, v, std::string(pattern.data(), pattern.size()), causal, scale, optional_of_present(key_lengths),
+      optional_of_present(attn_bias));
   return {result[0], result[1]};
 }
 

@@ -15,10 +15,11 @@ def _check_4d(name, t, layout):
                          f"(layout='{layout}'), got {t.dim()} dimensions with shape {list(t.shape)}")
 
 
-def mask_to_bias(mask, batch, heads, seqlen_q, seqlen_k, dtype, name="attn_mask"):
-    """An SDPA-style mask (bool: True takes part in attention; float: added to the scores),
-    broadcastable to [B, H, Lq, Lk], as the operator's additive bias [B or 1, H or 1, Lq, Lk]
-    (a view where possible; differentiable for float masks)."""
+def mask_to_bias(mask, batch, heads, seqlen_q, seqlen_k, dtype, scale, name="attn_mask"):
+    """An SDPA-style mask (bool: True takes part in attention; float: added to the scaled scores,
+    scale * S + mask), broadcastable to [B, H, Lq, Lk], as the operator's bias [B or 1, H or 1,
+    Lq, Lk], which is added before the scale (scale * (S + bias)): a float mask becomes mask / scale.
+    Differentiable for float masks."""
     if mask.dim() > 4:
         raise ValueError(f"dfss.attention: argument '{name}': expected at most 4 dimensions "
                          f"broadcastable to [B, H, Lq, Lk], got shape {list(mask.shape)}")
@@ -26,7 +27,7 @@ def mask_to_bias(mask, batch, heads, seqlen_q, seqlen_k, dtype, name="attn_mask"
         bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         bias = bias.masked_fill(~mask, -math.inf)
     elif mask.is_floating_point():
-        bias = mask
+        bias = mask / scale
     else:
         raise ValueError(f"dfss.attention: argument '{name}': expected a bool or floating mask, "
                          f"got dtype {mask.dtype}")
@@ -47,7 +48,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
     Mirrors ``torch.nn.functional.scaled_dot_product_attention``: query [B, H, Lq, d], key and value
     [B, Hkv, Lk, d] (layout="bhld", the default; layout="blhd" takes [B, L, H, d] as FlashAttention
-    does), ``attn_mask`` bool (True takes part) or float (added to the scores) broadcastable to
+    does), ``attn_mask`` bool (True takes part) or float (added to the scaled scores) broadcastable to
     [B, H, Lq, Lk], ``scale`` default 1/sqrt(d). Differences: ``pattern`` ("N:M" or "dense"),
     ``key_lengths`` ([B] valid keys per batch entry), grouped-query K/V (Hkv dividing H) always
     allowed; ``is_causal`` is bottom-right aligned (FlashAttention >= 2.1; SDPA aligns top-left,
@@ -66,9 +67,13 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     else:
         q, k, v = query, key, value
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"dfss.attention: argument 'scale': expected a finite value > 0 (or None for "
+                         f"1/sqrt(d)), got {scale}")
     bias = None
     if attn_mask is not None:
-        bias = mask_to_bias(attn_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.dtype)
+        eff_scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+        bias = mask_to_bias(attn_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.dtype, eff_scale)
     out, lse = torch.ops.dfss.attention(q, k, v, pattern, bool(is_causal),
                                         None if scale is None else float(scale), key_lengths, bias)
     if layout == "bhld":

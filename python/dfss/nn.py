@@ -16,7 +16,7 @@ class DFSSAttention(nn.Module):
     key_padding_mask=None, attn_mask=None)`` with inputs [B, L, E] (``batch_first=True``, the
     default) or [L, B, E]. ``key_padding_mask`` [B, Lk] is bool with True marking padding (as in
     ``nn.MultiheadAttention``); ``attn_mask`` follows ``dfss.attention`` (bool True = attend, or
-    additive float) broadcastable to [B, H, Lq, Lk]. ``num_kv_heads`` < ``num_heads`` gives
+    additive float, added to the scaled scores) broadcastable to [B, H, Lq, Lk]. ``num_kv_heads`` < ``num_heads`` gives
     grouped-query attention. Returns the output [B, Lq, E] (or [Lq, B, E]).
     """
 
@@ -50,9 +50,10 @@ class DFSSAttention(nn.Module):
         q = self.q_proj(query).view(b, lq, self.num_heads, self.head_dim)
         k = self.k_proj(key).view(b, lk, self.num_kv_heads, self.head_dim)
         v = self.v_proj(value).view(b, lk, self.num_kv_heads, self.head_dim)
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
         bias = None
         if attn_mask is not None:
-            bias = mask_to_bias(attn_mask, b, self.num_heads, lq, lk, q.dtype)
+            bias = mask_to_bias(attn_mask, b, self.num_heads, lq, lk, q.dtype, scale)
         if key_padding_mask is not None:
             if key_padding_mask.shape != (b, lk):
                 raise ValueError(f"DFSSAttention: argument 'key_padding_mask': expected shape {[b, lk]} "
@@ -60,7 +61,7 @@ class DFSSAttention(nn.Module):
             if key_padding_mask.dtype == torch.bool:
                 pad = torch.zeros((b, lk), dtype=q.dtype, device=q.device).masked_fill(key_padding_mask, -math.inf)
             else:
-                pad = key_padding_mask.to(q.dtype)
+                pad = key_padding_mask.to(q.dtype) / scale  # added to the scaled scores
             pad = pad.view(b, 1, 1, lk).expand(b, 1, lq, lk)
             bias = pad if bias is None else bias + pad
         out, _ = torch.ops.dfss.attention(q, k, v, self.pattern, self.causal, self.scale, None, bias)

@@ -82,12 +82,9 @@ def _bert_forward(old_style):
         scale = 1.0 / math.sqrt(d)
         bias = None
         if attention_mask is not None:
-            if attention_mask.dtype == torch.bool:
-                bias = mask_to_bias(attention_mask, b, h, lq, lq, q.dtype, name="attention_mask")
-            else:
-                # Hugging Face adds the mask after the scale (scale * S + mask); dfss adds its bias
-                # before (scale * (S + bias)), so the bias is mask / scale: the same function.
-                bias = mask_to_bias(attention_mask / scale, b, h, lq, lq, q.dtype, name="attention_mask")
+            # bool (True attends) or float added to the scaled scores (scale * S + mask), as in
+            # the eager and SDPA paths of transformers; mask_to_bias converts it to dfss's bias.
+            bias = mask_to_bias(attention_mask, b, h, lq, lq, q.dtype, scale, name="attention_mask")
         out, _ = torch.ops.dfss.attention(q, k, v, self._dfss_pattern, False, scale, None, bias)
         out = out.reshape(b, lq, h * d)
         return (out,) if old_style else (out, None)
@@ -130,11 +127,11 @@ def _mha_forward(self, query, key, value, key_padding_mask=None, need_weights=Tr
         # nn.MultiheadAttention: [Lq, Lk] or [B * H, Lq, Lk]; bool True means "not allowed".
         mask = attn_mask.view(b, h, lq, lk) if attn_mask.dim() == 3 else attn_mask
         mask = ~mask if mask.dtype == torch.bool else mask
-        bias = mask_to_bias(mask, b, h, lq, lk, q.dtype)
+        bias = mask_to_bias(mask, b, h, lq, lk, q.dtype, 1.0 / math.sqrt(d))
     if key_padding_mask is not None:
         pad = key_padding_mask
         pad = (torch.zeros(pad.shape, dtype=q.dtype, device=q.device).masked_fill(pad, -math.inf)
-               if pad.dtype == torch.bool else pad.to(q.dtype))
+               if pad.dtype == torch.bool else pad.to(q.dtype) * math.sqrt(d))  # mask / scale
         pad = pad.view(b, 1, 1, lk).expand(b, 1, lq, lk)
         bias = pad if bias is None else bias + pad
     out, _ = torch.ops.dfss.attention(q, k, v, self._dfss_pattern, False, None, None, bias)

@@ -61,8 +61,9 @@ ops = CppExtension(
     name="dfss._ops",
     sources=[os.path.join("src", "torch", n) for n in ("ops.cpp", "cpu.cpp", "cuda_unavailable.cpp")],
     include_dirs=[os.path.join(ROOT, "include")],
-    # torch 1.13's cpp_extension defaults to C++14; the dfss headers need C++17.
-    extra_compile_args=["-std=c++17", "-O2"],
+    # torch 1.13's cpp_extension defaults to C++14 and the dfss headers need C++17; torch 2.x picks
+    # the standard its headers need (C++17, or C++20 for recent releases) by itself.
+    extra_compile_args=(["-std=c++17"] if int(torch.__version__.split(".")[0]) < 2 else []) + ["-O2"],
     # The core parallelises with OpenMP.
     extra_link_args=["-fopenmp"],
 )

@@ -59,7 +59,7 @@ class build_ext(BuildExtension):
 
 ops = CppExtension(
     name="dfss._ops",
-    sources=[os.path.join("src", "torch", n) for n in ("ops.cpp", "cpu.cpp", "cuda_unavailable.cpp")],
+    sources=[os.path.join("src", "torch", n) for n in ("ops.cpp", "cpu.cpp", "meta.cpp", "cuda_unavailable.cpp")],
     include_dirs=[os.path.join(ROOT, "include")],
     # torch 1.13's cpp_extension defaults to C++14 and the dfss headers need C++17; torch 2.x picks
     # the standard its headers need (C++17, or C++20 for recent releases) by itself.

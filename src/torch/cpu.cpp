@@ -23,11 +23,13 @@ std::string shape_of(const at::Tensor& t) {
   return s.str();
 }
 
-/// Device, layout and rank: RuntimeError for a tensor that is not a strided CPU tensor (a device
-/// problem), ValueError for the rank.
-void check_tensor(const char* op, const char* name, const at::Tensor& t, int rank, const char* dims) {
+/// Device, layout and rank: RuntimeError for a tensor that is not a strided tensor on the kernel's
+/// device (a device problem), ValueError for the rank.
+void check_tensor(const char* op, c10::DeviceType device, const char* name, const at::Tensor& t, int rank,
+                  const char* dims) {
   TORCH_CHECK_VALUE(t.defined(), op, ": argument '", name, "': expected a tensor, got an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), op, ": argument '", name, "': expected a CPU tensor, got a tensor on ",
+  TORCH_CHECK(t.device().type() == device, op, ": argument '", name, "': expected a ",
+              c10::DeviceTypeName(device), " tensor, got a tensor on ",
               t.device());
   TORCH_CHECK(t.layout() == at::kStrided, op, ": argument '", name,
               "': expected a dense (strided) tensor, got layout ", t.layout());
@@ -59,12 +61,13 @@ void check_dim(const char* op, const char* name, const at::Tensor& t, int d, con
                     what, ") == ", expected, ", got ", t.size(d), " (shape ", shape_of(t), ")");
 }
 
-/// The checks shared by forward and backward, with this operator's argument names.
-void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+}  // namespace
+
+void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const optional_tensor& key_lengths, const optional_tensor& attn_bias) {
-  check_tensor(op, "q", q, 4, "[B, Lq, H, d]");
-  check_tensor(op, "k", k, 4, "[B, Lk, Hkv, d]");
-  check_tensor(op, "v", v, 4, "[B, Lk, Hkv, d]");
+  check_tensor(op, device, "q", q, 4, "[B, Lq, H, d]");
+  check_tensor(op, device, "k", k, 4, "[B, Lk, Hkv, d]");
+  check_tensor(op, device, "v", v, 4, "[B, Lk, Hkv, d]");
   TORCH_CHECK_VALUE(is_attention_float(q.scalar_type()), op,
                     ": argument 'q': expected dtype float64, float32, float16 or bfloat16, got ",
                     type_name(q.scalar_type()));
@@ -82,14 +85,14 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
                     ", got ", shape_of(v));
   if (key_lengths.has_value() && key_lengths->defined()) {
     const at::Tensor& kl = *key_lengths;
-    check_tensor(op, "key_lengths", kl, 1, "[B]");
+    check_tensor(op, device, "key_lengths", kl, 1, "[B]");
     TORCH_CHECK_VALUE(kl.scalar_type() == at::kInt || kl.scalar_type() == at::kLong, op,
                       ": argument 'key_lengths': expected dtype int32 or int64, got ", type_name(kl.scalar_type()));
     check_dim(op, "key_lengths", kl, 0, "batch", q.size(0));
   }
   if (attn_bias.has_value() && attn_bias->defined()) {
     const at::Tensor& b = *attn_bias;
-    check_tensor(op, "attn_bias", b, 4, "[B or 1, H or 1, Lq, Lk]");
+    check_tensor(op, device, "attn_bias", b, 4, "[B or 1, H or 1, Lq, Lk]");
     TORCH_CHECK_VALUE(is_attention_float(b.scalar_type()), op,
                       ": argument 'attn_bias': expected dtype float64, float32, float16 or bfloat16, got ",
                       type_name(b.scalar_type()));
@@ -123,6 +126,8 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   if (e.code() == dfss::status_code::invalid_argument) TORCH_CHECK_VALUE(false, op, ": ", msg);
   TORCH_CHECK(false, op, ": ", msg);
 }
+
+namespace {
 
 dfss::attention_config make_config(const char* op, c10::string_view pattern, bool causal,
                                    c10::optional<double> scale) {
@@ -177,12 +182,23 @@ at::ScalarType lse_type(const at::Tensor& q) { return q.scalar_type() == at::kDo
 
 }  // namespace
 
+void check_backward_inputs(const char* op, c10::DeviceType device, const at::Tensor& dout, const at::Tensor& q,
+                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                           const optional_tensor& key_lengths, const optional_tensor& attn_bias) {
+  check_inputs(op, device, q, k, v, key_lengths, attn_bias);
+  check_tensor(op, device, "dout", dout, 4, "[B, Lq, H, d]");
+  check_tensor(op, device, "out", out, 4, "[B, Lq, H, d]");
+  check_tensor(op, device, "lse", lse, 3, "[B, H, Lq]");
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), op, ": argument 'dout': expected the shape of 'q' ", shape_of(q),
+                    ", got ", shape_of(dout));
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, c10::string_view pattern,
                                                  bool causal, c10::optional<double> scale,
                                                  const optional_tensor& key_lengths,
                                                  const optional_tensor& attn_bias) {
-  check_inputs(kForward, q, k, v, key_lengths, attn_bias);
+  check_inputs(kForward, c10::DeviceType::CPU, q, k, v, key_lengths, attn_bias);
   const dfss::attention_config config = make_config(kForward, pattern, causal, scale);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_type(q)));
@@ -214,12 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const at::Tensor& out, const at::Tensor& lse, c10::string_view pattern, bool causal,
     c10::optional<double> scale, const optional_tensor& key_lengths, const optional_tensor& attn_bias,
     bool bias_requires_grad) {
-  check_inputs(kBackward, q, k, v, key_lengths, attn_bias);
-  check_tensor(kBackward, "dout", dout, 4, "[B, Lq, H, d]");
-  check_tensor(kBackward, "out", out, 4, "[B, Lq, H, d]");
-  check_tensor(kBackward, "lse", lse, 3, "[B, H, Lq]");
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), kBackward, ": argument 'dout': expected the shape of 'q' ",
-                    shape_of(q), ", got ", shape_of(dout));
+  check_backward_inputs(kBackward, c10::DeviceType::CPU, dout, q, k, v, out, lse, key_lengths, attn_bias);
   // dfss wants dout in q's dtype; autograd may hand over another one (e.g. from a dtype cast).
   const at::Tensor dout_q = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
   const dfss::attention_config config = make_config(kBackward, pattern, causal, scale);

@@ -2,7 +2,8 @@
 //
 // One operator pair, registered once (ops.cpp): `dfss::attention` (forward) and
 // `dfss::attention_backward`. Each dispatch key gets its own kernel: CPU (cpu.cpp), CUDA
-// (cuda_unavailable.cpp today: a clear error; a CUDA implementation registers here later) and
+// (cuda_unavailable.cpp today: a clear error; a CUDA implementation registers here later), Meta
+// (meta.cpp: shapes and dtypes only, for tracing with fake tensors) and
 // Autograd (ops.cpp), which calls the other two through the dispatcher.
 #pragma once
 
@@ -29,6 +30,15 @@ using attention_backward_signature = std::tuple<at::Tensor, at::Tensor, at::Tens
     const at::Tensor& out, const at::Tensor& lse, c10::string_view pattern, bool causal,
     c10::optional<double> scale, const optional_tensor& key_lengths,
     const optional_tensor& attn_bias, bool bias_requires_grad);
+
+/// The checks shared by every device's kernels, with the operator's argument names: tensors on
+/// @p device (else RuntimeError), ranks, dtypes and shapes (else ValueError).
+void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const optional_tensor& key_lengths, const optional_tensor& attn_bias);
+/// check_inputs plus dout, out and lse of the backward.
+void check_backward_inputs(const char* op, c10::DeviceType device, const at::Tensor& dout, const at::Tensor& q,
+                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                           const optional_tensor& key_lengths, const optional_tensor& attn_bias);
 
 attention_signature attention_cpu;
 attention_backward_signature attention_backward_cpu;

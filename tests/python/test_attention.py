@@ -223,3 +223,16 @@ def test_threads_follow_torch_set_num_threads():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)  # dfss is bitwise deterministic across thread counts
+
+
+def test_meta_tensors_give_shapes_and_dtypes():
+    # The Meta kernels let PyTorch trace the operator (fake tensors) without running it.
+    q = torch.empty(2, 5, 4, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k = torch.empty(2, 7, 2, 8, dtype=torch.bfloat16, device="meta")
+    out, lse = torch.ops.dfss.attention(q, k, k)
+    assert out.device.type == "meta" and out.shape == q.shape and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert dq.shape == q.shape and dq.device.type == "meta"
+    with pytest.raises(ValueError, match=r"argument 'k': expected shape\[2\] \(heads_kv\) to divide"):
+        torch.ops.dfss.attention(q, k[:, :, :1].expand(2, 7, 3, 8), k[:, :, :1].expand(2, 7, 3, 8))

@@ -107,6 +107,10 @@ def _mha_in_projection(m, query, key, value):
 def _mha_forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                  average_attn_weights=True, is_causal=False):
     # need_weights: DFSS never forms the attention matrix; the weights are returned as None.
+    # is_causal is only a hint that attn_mask is causal (as in nn.MultiheadAttention): the mask decides.
+    if is_causal and attn_mask is None:
+        raise RuntimeError("dfss.patch_attention: nn.MultiheadAttention: argument 'is_causal' needs "
+                           "attn_mask (as in nn.MultiheadAttention, it is only a hint)")
     unbatched = query.dim() == 2
     if unbatched:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)

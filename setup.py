@@ -9,6 +9,7 @@ Builds the Python package `dfss` (python/dfss) and its operator library dfss/_op
 --no-build-isolation: the build must see the installed torch (an isolated build would fetch another).
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -36,6 +37,9 @@ class build_ext(BuildExtension):
             return prebuilt
         build = os.path.join(os.path.abspath(self.build_temp), "dfss-core")
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        if shutil.which("cmake") is None:
+            sys.exit("dfss: building the package needs cmake (>= 3.25) on PATH for the C++ core "
+                     "(Debian: apt-get install cmake), or DFSS_CORE_LIBRARY naming a built libdfss.a")
         subprocess.check_call([
             "cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
             "-DDFSS_BUILD_TESTS=OFF", "-DDFSS_BUILD_TOOLS=OFF", "-DDFSS_BUILD_BENCH=OFF",

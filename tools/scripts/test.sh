@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The project's test command (README.md): the CI build (warnings as errors, CUDA compiled when nvcc
-# is present) with all tests, then the AddressSanitizer + UBSan build with all tests.
+# The project's test command (README.md): the CI build (warnings as errors, the LibTorch operator,
+# CUDA compiled when nvcc is present) with all tests, including the Python package's pytest suite
+# (which must run here, not skip), then the AddressSanitizer + UBSan build with all tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 jobs=$(nproc 2>/dev/null || echo 2)
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$jobs}
 export CTEST_PARALLEL_LEVEL=${CTEST_PARALLEL_LEVEL:-$jobs}
+export DFSS_REQUIRE_PYTHON_TESTS=1
 cmake --workflow --preset ci
 cmake --workflow --preset asan

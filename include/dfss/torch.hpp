@@ -1,0 +1,43 @@
+// dfss/torch.hpp: DFSS attention on at::Tensor (LibTorch), with autograd.
+//
+// Link dfss::dfss_torch (find_package(dfss) in a project that also finds Torch). The call goes
+// through the registered operator torch.ops.dfss.attention, so gradients flow with autograd and a
+// CUDA implementation, once built, is picked up by PyTorch's dispatcher without API changes.
+//
+//   auto [out, lse] = dfss::torch::attention(q, k, v);            // q, k, v: [B, L, H, d]
+//   out.sum().backward();                                          // dq, dk, dv via dfss's backward
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include <ATen/Tensor.h>
+
+namespace dfss::torch {
+
+/// @brief Options of dfss::torch::attention. An undefined at::Tensor means "absent".
+struct attention_options {
+  /// "N:M" (1 <= N <= M <= 16) or "dense".
+  std::string pattern = "2:4";
+  /// Bottom-right aligned causal mask: key j is visible to query i iff j <= i + (Lk - Lq).
+  bool causal = false;
+  /// Softmax scale; empty means 1/sqrt(d). Must be finite and > 0.
+  std::optional<double> scale;
+  /// Optional [B] int32/int64 number of valid keys per batch entry, each in [0, Lk].
+  at::Tensor key_lengths;
+  /// Optional additive bias [B or 1, H or 1, Lq, Lk] (any floating type; -inf masks), added to the
+  /// scores before the N:M selection. Differentiable.
+  at::Tensor attn_bias;
+};
+
+/// @brief DFSS attention: q [B, Lq, H, d], k and v [B, Lk, Hkv, d] (H a multiple of Hkv; any
+/// strides; float64, float32, float16 or bfloat16, CPU). Returns (out [B, Lq, H, d] in q's dtype,
+/// lse [B, H, Lq] float32, float64 for float64 q). out is differentiable with respect to q, k, v and
+/// attn_bias (the forward's N:M selection held fixed); lse is returned without gradient.
+/// Bad arguments throw c10::ValueError (or c10::Error) naming the argument, expected and received.
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v,
+                                             const attention_options& options = {});
+
+}  // namespace dfss::torch

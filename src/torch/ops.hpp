@@ -1,0 +1,46 @@
+// src/torch/ops.hpp: the kernels behind torch.ops.dfss.attention and their shared signatures.
+//
+// One operator pair, registered once (ops.cpp): `dfss::attention` (forward) and
+// `dfss::attention_backward`. Each dispatch key gets its own kernel: CPU (cpu.cpp), CUDA
+// (cuda_unavailable.cpp today: a clear error; a CUDA implementation registers here later), Meta
+// (meta.cpp: shapes and dtypes only, for tracing with fake tensors) and
+// Autograd (ops.cpp), which calls the other two through the dispatcher.
+#pragma once
+
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
+
+namespace dfss::torch_ops {
+
+using optional_tensor = c10::optional<at::Tensor>;
+
+/// C++ signature of dfss::attention; every kernel registered for it has exactly this type.
+using attention_signature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::string_view pattern,
+    bool causal, c10::optional<double> scale, const optional_tensor& key_lengths,
+    const optional_tensor& attn_bias);
+
+/// C++ signature of dfss::attention_backward. dbias is a 0-element tensor unless
+/// bias_requires_grad is set and attn_bias is given.
+using attention_backward_signature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::string_view pattern, bool causal,
+    c10::optional<double> scale, const optional_tensor& key_lengths,
+    const optional_tensor& attn_bias, bool bias_requires_grad);
+
+/// The checks shared by every device's kernels, with the operator's argument names: tensors on
+/// @p device (else RuntimeError), ranks, dtypes and shapes (else ValueError).
+void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const optional_tensor& key_lengths, const optional_tensor& attn_bias);
+/// check_inputs plus dout, out and lse of the backward.
+void check_backward_inputs(const char* op, c10::DeviceType device, const at::Tensor& dout, const at::Tensor& q,
+                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                           const optional_tensor& key_lengths, const optional_tensor& attn_bias);
+
+attention_signature attention_cpu;
+attention_backward_signature attention_backward_cpu;
+
+}  // namespace dfss::torch_ops

@@ -3,7 +3,9 @@
 Builds the Python package `dfss` (python/dfss) and its operator library dfss/_ops*.so:
 1. the dfss core (the C++ library, static, position-independent) with CMake, exactly as the C++
    build compiles it (its per-file ISA flags, OpenMP, generated headers), or reuses a prebuilt one
-   named by DFSS_CORE_LIBRARY (path to libdfss.a; the CTest suite passes its own);
+   named by DFSS_CORE_LIBRARY (path to libdfss.a; the CTest suite passes its own), plus the
+   libraries it needs in DFSS_CORE_LINK_LIBS (space separated; e.g. libcudart for a core built
+   with the CUDA backend);
 2. src/torch/*.cpp (the torch.ops.dfss operator) with torch.utils.cpp_extension against the torch
    of the running interpreter, so the flags and ABI match that torch whatever its version.
 --no-build-isolation: the build must see the installed torch (an isolated build would fetch another).
@@ -52,8 +54,9 @@ class build_ext(BuildExtension):
 
     def run(self):
         core = self._core_library()
+        extra = os.environ.get("DFSS_CORE_LINK_LIBS", "").split() if os.environ.get("DFSS_CORE_LIBRARY") else []
         for ext in self.extensions:
-            ext.extra_objects = [core]
+            ext.extra_objects = [core] + extra
         super().run()
         info = os.path.join(self.build_lib, "dfss", "_build_info.py")
         os.makedirs(os.path.dirname(info), exist_ok=True)

@@ -232,7 +232,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     tr.add_argument("--task", choices=sorted(tasks.TASKS), default="listops")
     tr.add_argument("--attention", default="dense", help="dense, 1:2, 2:4 or any N:M")
     tr.add_argument("--init", help="checkpoint to finetune from (its architecture and data are reused)")
-    tr.add_argument("--steps", type=int, default=3000)
+    tr.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000; 20 with --quick)")
     tr.add_argument("--batch", type=int, default=32)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--dim", type=int, default=64)
@@ -258,8 +258,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ev.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if args.cmd == "train" and args.quick:
-        args.steps, args.min_len, args.max_len = min(args.steps, 20), 32, 96
+        args.steps = 20 if args.steps is None else args.steps
+        args.min_len, args.max_len = 32, 96
         args.train_size, args.val_size, args.test_size, args.eval_every = 640, 64, 64, 10
+    elif args.cmd == "train" and args.steps is None:
+        args.steps = 3000
     return cmd_train(args) if args.cmd == "train" else cmd_eval(args)
 
 

@@ -8,6 +8,7 @@ backward), so the same kernels that users run are the ones trained and evaluated
   dfss_train.py train --task listops --attention dense --steps 3000 --out runs/listops-dense
   dfss_train.py train --task listops --attention 2:4 --init runs/listops-dense/final.pt --steps 600 --out runs/listops-ft24
   dfss_train.py eval  --checkpoint runs/listops-dense/final.pt --attention 1:2
+  dfss_train.py capture --checkpoint runs/listops-dense/final.pt --out runs/qkv   (for dfss quality)
   dfss_train.py train --quick ...        (CI: a few steps on short sequences, end to end)
 
 Runs are reproducible from --seed (data, initialisation and batch order; dfss's kernels are
@@ -225,6 +226,48 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_capture(args) -> int:
+    """Writes the attention inputs (Q, K, V as [1, L, H, d] float32 .npy) of every layer of the model
+    on test examples, for `dfss quality` on real attention inputs."""
+    import numpy as np
+
+    torch.set_num_threads(args.threads)
+    ck = torch.load(args.checkpoint)
+    cfg = ck["config"]
+    _, _, test = data_for(cfg)
+    model = build(cfg)
+    model.load_state_dict(ck["model"])
+    model.pattern = args.attention
+    model.eval()
+    captured: List = []
+
+    def grab(block, inputs, output):
+        x = inputs[0]
+        b, l, d = x.shape
+        q, k, v = block.qkv(block.ln1(x)).view(b, l, 3, block.heads, d // block.heads).unbind(2)
+        captured.append((q, k, v))
+
+    hooks = [blk.register_forward_hook(grab) for blk in model.blocks]
+    os.makedirs(args.out, exist_ok=True)
+    # The longest test examples: the most keys per row, where pruning has the most to choose from.
+    order = sorted(range(len(test.labels)), key=lambda i: -len(test.tokens[i]))[:args.examples]
+    written = []
+    with torch.no_grad():
+        for n, i in enumerate(order):
+            captured.clear()
+            t = torch.tensor([test.tokens[i]])
+            model(t, torch.tensor([t.shape[1]]))
+            for layer, (q, k, v) in enumerate(captured):
+                for name, x in (("q", q), ("k", k), ("v", v)):
+                    path = os.path.join(args.out, f"ex{n}-layer{layer}-{name}.npy")
+                    np.save(path, x.float().numpy())
+                written.append(f"ex{n}-layer{layer}")
+    for h in hooks:
+        h.remove()
+    print(json.dumps({"checkpoint": args.checkpoint, "out": args.out, "inputs": written}))
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -256,6 +299,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ev.add_argument("--attention", nargs="+", default=["dense", "1:2", "2:4"])
     ev.add_argument("--batch", type=int, default=64)
     ev.add_argument("--threads", type=int, default=2)
+    cap = sub.add_parser("capture", help="write Q, K, V of each layer on test examples as .npy (dfss quality)")
+    cap.add_argument("--checkpoint", required=True)
+    cap.add_argument("--attention", default="dense", help="pattern the model runs with while capturing")
+    cap.add_argument("--examples", type=int, default=2)
+    cap.add_argument("--threads", type=int, default=2)
+    cap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.cmd == "train" and args.quick:
         args.steps = 20 if args.steps is None else args.steps
@@ -263,7 +312,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.train_size, args.val_size, args.test_size, args.eval_every = 640, 64, 64, 10
     elif args.cmd == "train" and args.steps is None:
         args.steps = 3000
-    return cmd_train(args) if args.cmd == "train" else cmd_eval(args)
+    return {"train": cmd_train, "eval": cmd_eval, "capture": cmd_capture}[args.cmd](args)
 
 
 if __name__ == "__main__":

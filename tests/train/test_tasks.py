@@ -75,27 +75,32 @@ class ListOpsTest(unittest.TestCase):
 
 
 class RecallTest(unittest.TestCase):
-    def test_label_is_the_last_value_of_the_query_key(self):
-        split = tasks.associative_recall(300, seed=11, min_len=40, max_len=200)
+    def test_label_is_the_value_bound_to_the_query_key(self):
+        split = tasks.associative_recall(300, seed=11, min_len=40, max_len=120)
         for toks, label in zip(split.tokens, split.labels):
             self.assertEqual(toks[0], tasks.CLS)
             self.assertEqual(toks[-2], tasks.QUERY)
-            key = toks[-1]
-            values = [toks[i + 1] - tasks.DIGIT0 for i in range(1, len(toks) - 2, 2) if toks[i] == key]
-            self.assertTrue(values)
-            self.assertEqual(values[-1], label)
-            self.assertGreaterEqual(len(toks), 40 - 1)
-            self.assertLessEqual(len(toks), 200)
+            pairs = [divmod(t - tasks.PAIR0, 10) for t in toks[1:-2]]
+            keys = [k for k, _ in pairs]
+            self.assertEqual(len(keys), len(set(keys)))  # distinct keys
+            self.assertTrue(all(0 <= k < tasks.NUM_KEYS for k in keys))
+            query = toks[-1] - tasks.QKEY0
+            self.assertEqual(dict(pairs)[query], label)
+            self.assertGreaterEqual(len(toks), 40)
+            self.assertLessEqual(len(toks), 120)
 
-    def test_earlier_pairs_of_the_key_disagree_often(self):
-        # Distractors: in a good share of examples an earlier pair of the query key has another
-        # value, so "any pair with this key" is not enough to answer.
-        split = tasks.associative_recall(300, seed=12, min_len=200, max_len=400)
-        ambiguous = 0
-        for toks, label in zip(split.tokens, split.labels):
-            values = {toks[i + 1] - tasks.DIGIT0 for i in range(1, len(toks) - 2, 2) if toks[i] == toks[-1]}
-            ambiguous += len(values) > 1
-        self.assertGreater(ambiguous, 150)
+    def test_query_position_and_values_are_spread(self):
+        # The queried pair sits anywhere in the sequence, and labels are near uniform, so neither
+        # position nor value frequencies answer the question.
+        split = tasks.associative_recall(2000, seed=12, min_len=100, max_len=131)
+        where = []
+        for toks in split.tokens:
+            keys = [(t - tasks.PAIR0) // 10 for t in toks[1:-2]]
+            where.append(keys.index(toks[-1] - tasks.QKEY0) / len(keys))
+        self.assertLess(min(where), 0.05)
+        self.assertGreater(max(where), 0.95)
+        counts = [split.labels.count(c) for c in range(10)]
+        self.assertLess(max(counts) / len(split.labels), 0.15, counts)
 
 
 if __name__ == "__main__":

@@ -56,8 +56,10 @@ class Block(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, ffn: int, max_len: int, classes: int):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, ffn: int, max_len: int, classes: int,
+                 pool: str = "mean"):
         super().__init__()
+        self.pool = pool
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
@@ -70,9 +72,14 @@ class Encoder(nn.Module):
         x = self.embed(tokens) + self.pos(pos)[None]
         for blk in self.blocks:
             x = blk(x, lengths, self.pattern)
-        # Mean over the valid positions: every token's representation can carry the answer.
-        mask = (pos[None, :] < lengths[:, None]).to(x.dtype)[..., None]
-        pooled = (self.ln(x) * mask).sum(1) / lengths[:, None].to(x.dtype)
+        x = self.ln(x)
+        if self.pool == "last":
+            # The last valid position (recall: the query key, which must fetch its value).
+            pooled = x[torch.arange(x.shape[0]), lengths - 1]
+        else:
+            # Mean over the valid positions: every token's representation can carry the answer.
+            mask = (pos[None, :] < lengths[:, None]).to(x.dtype)[..., None]
+            pooled = (x * mask).sum(1) / lengths[:, None].to(x.dtype)
         return self.head(pooled)
 
 
@@ -124,7 +131,9 @@ class Progress:
 
 
 def build(cfg: Dict) -> Encoder:
-    return Encoder(tasks.VOCAB, cfg["dim"], cfg["heads"], cfg["layers"], cfg["ffn"], cfg["max_len"], tasks.NUM_CLASSES)
+    # Checkpoints record their vocabulary size (44 before the recall task had its own keys).
+    return Encoder(cfg.get("vocab", 44), cfg["dim"], cfg["heads"], cfg["layers"], cfg["ffn"], cfg["max_len"], tasks.NUM_CLASSES,
+                   cfg.get("pool", "mean"))
 
 
 def data_for(cfg: Dict):
@@ -148,7 +157,8 @@ def cmd_train(args) -> int:
     else:
         cfg = {"task": args.task, "dim": args.dim, "heads": args.heads, "layers": args.layers, "ffn": args.ffn,
                "min_len": args.min_len, "max_len": args.max_len, "data_seed": args.data_seed,
-               "train_size": args.train_size, "val_size": args.val_size, "test_size": args.test_size}
+               "train_size": args.train_size, "val_size": args.val_size, "test_size": args.test_size,
+               "pool": "last" if args.task == "recall" else "mean", "vocab": tasks.VOCAB}
     cfg.update({"attention": args.attention, "steps": args.steps, "lr": args.lr, "batch": args.batch,
                 "seed": args.seed, "init": args.init})
     train, val, test = data_for(cfg)

@@ -4,13 +4,15 @@ ListOps (Long Range Arena style): nested lists of MAX, MIN, MED and SUM_MOD over
 label is the value of the whole expression (10 classes). The generator grows a random tree inside a
 token budget so that lengths spread over [min_len, max_len] without rejection sampling.
 
-Associative recall: a long sequence of (key, value) pairs, keys drawn from 26 letters with
-repetition and values from 10 digits, then a query key; the label is the value of the LAST
-occurrence of the query key (10 classes). Distractor pairs make a bag-of-tokens model fail: only
-attention to the matching key (and its successor) solves it.
+Associative recall: a long sequence of key-value tokens (one token per pair: key k in 0..127 bound
+to value v in 0..9), keys distinct within a sequence, then a query marker and a query token naming
+one of the keys; the label is that key's value (10 classes). Every value occurs with many other
+keys, so the sequence's bag of tokens says nothing about the answer: the query must attend to the
+one matching pair, anywhere in the sequence.
 
 Token ids are shared by both tasks: 0 = PAD, 1 = CLS, 2..11 = digits 0..9, 12..15 = the ListOps
-operators, 16 = close bracket, 17 = query marker, 18..43 = letters.
+operators, 16 = close bracket, 17 = query marker, 18..1297 = recall pairs (18 + 10 k + v),
+1298..1425 = recall query keys.
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ OPS = ("MAX", "MIN", "MED", "SM")
 OP0 = 12
 CLOSE = 16
 QUERY = 17
-LETTER0 = 18
-VOCAB = LETTER0 + 26
+NUM_KEYS = 128
+PAIR0 = 18
+QKEY0 = PAIR0 + 10 * NUM_KEYS
+VOCAB = QKEY0 + NUM_KEYS
 NUM_CLASSES = 10
 
 
@@ -82,20 +86,17 @@ def listops(n: int, seed: int, min_len: int = 64, max_len: int = 512, max_depth:
 
 
 def associative_recall(n: int, seed: int, min_len: int = 64, max_len: int = 512) -> Split:
-    """n recall examples: [CLS] k1 v1 k2 v2 ... [QUERY] k; label: the value last paired with k."""
+    """n recall examples: [CLS] (k1,v1) (k2,v2) ... [QUERY] k with distinct keys; label: k's value.
+    Lengths are capped at NUM_KEYS + 3 (one pair per key)."""
     rng = random.Random(seed)
     tokens, labels = [], []
     for _ in range(n):
-        pairs = (rng.randint(min_len, max_len) - 3) // 2
-        seq, last = [CLS], {}
-        for _ in range(pairs):
-            k, v = rng.randrange(26), rng.randrange(10)
-            seq += [LETTER0 + k, DIGIT0 + v]
-            last[k] = v
-        key = rng.choice(sorted(last))
-        seq += [QUERY, LETTER0 + key]
-        tokens.append(seq)
-        labels.append(last[key])
+        pairs = min(NUM_KEYS, max(1, rng.randint(min_len, max_len) - 3))
+        keys = rng.sample(range(NUM_KEYS), pairs)
+        values = [rng.randrange(10) for _ in keys]
+        q = rng.randrange(pairs)
+        tokens.append([CLS] + [PAIR0 + 10 * k + v for k, v in zip(keys, values)] + [QUERY, QKEY0 + keys[q]])
+        labels.append(values[q])
     return Split(tokens, labels)
 
 

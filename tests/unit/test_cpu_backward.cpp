@@ -12,35 +12,14 @@
 #include <bit>
 #include <cstdint>
 
+#include "common/gradients.hpp"
 #include "common/run.hpp"
 #include "common/testing.hpp"
 
 namespace dfss::testing {
 namespace {
 
-constexpr double kEps32 = 1.0 / (1 << 23);
-
 bool cpu_has_backward() { return cpu_runs_avx2_kernels(); }
-
-double max_abs(const std::vector<double>& x) {
-  double m = 0;
-  for (double v : x) m = std::max(m, std::abs(v));
-  return m;
-}
-
-void expect_grad_close(const std::vector<double>& got, const std::vector<double>& want, double terms, dtype out,
-                       const std::string& what) {
-  const double ulp_out = out == dtype::f16 ? 1.0 / 1024 : (out == dtype::bf16 ? 1.0 / 128 : 0.0);
-  const double scale = 1.0 + max_abs(want);
-  const double tol = ((64.0 + terms) * kEps32 + ulp_out) * scale;
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double err = 0;
-  for (std::size_t x = 0; x < got.size(); ++x) {
-    ASSERT_TRUE(std::isfinite(got[x])) << what << " at " << x;
-    err = std::max(err, std::abs(got[x] - want[x]));
-  }
-  EXPECT_LE(err, tol) << what;
-}
 
 TEST(CpuBackward, SelectorPicksTheKernelOfEachIsa) {
   if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";

@@ -16,13 +16,12 @@
 // reference's unbroadcast dbias.
 #include <gtest/gtest.h>
 
+#include "common/gradients.hpp"
 #include "common/run.hpp"
 #include "common/testing.hpp"
 
 namespace dfss::testing {
 namespace {
-
-constexpr double kEps32 = 1.0 / (1 << 23);
 
 struct twin {
   cpu_isa isa;
@@ -38,26 +37,6 @@ const twin kTwins[] = {
     // The AVX2 kernel runs the same contract tests (where the CPU has it).
     {cpu_isa::avx2, "cpu.fused_forward.avx2", "cpu.fused_backward.avx2"},
 };
-
-double max_abs(const std::vector<double>& x) {
-  double m = 0;
-  for (double v : x) m = std::max(m, std::abs(v));
-  return m;
-}
-
-void expect_grad_close(const std::vector<double>& got, const std::vector<double>& want, double terms, dtype out,
-                       const std::string& what) {
-  const double ulp_out = out == dtype::f16 ? 1.0 / 1024 : (out == dtype::bf16 ? 1.0 / 128 : 0.0);
-  const double tol = ((64.0 + terms) * kEps32 + ulp_out) * (1.0 + max_abs(want));
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double err = 0;
-  for (std::size_t x = 0; x < got.size(); ++x) {
-    // The outputs were poisoned with NaN before the call: a finite value means it was written.
-    ASSERT_TRUE(std::isfinite(got[x])) << what << " at " << x;
-    err = std::max(err, std::abs(got[x] - want[x]));
-  }
-  EXPECT_LE(err, tol) << what;
-}
 
 class CpuBackwardTwin : public ::testing::TestWithParam<twin> {
  protected:

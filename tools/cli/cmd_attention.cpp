@@ -10,6 +10,7 @@
 #include "cli/commands.hpp"
 #include "dfss/dfss.hpp"
 #include "npy/npy.hpp"
+#include "cli/npy_view.hpp"
 
 namespace dfss::cli {
 namespace {
@@ -37,20 +38,6 @@ npy::array load_operand(const std::string& path, const char* flag) {
                     shape_str(a.shape));
   }
   return a;
-}
-
-tensor_view view_of(npy::array& a) {
-  tensor_view v;
-  v.data = a.bytes.data();
-  v.type = a.type;
-  v.rank = static_cast<int>(a.shape.size());
-  std::int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
-    v.shape[static_cast<std::size_t>(d)] = a.shape[static_cast<std::size_t>(d)];
-    v.stride[static_cast<std::size_t>(d)] = stride;
-    stride *= a.shape[static_cast<std::size_t>(d)];
-  }
-  return v;
 }
 
 /// An output buffer: zero-filled bytes of the requested type and shape.

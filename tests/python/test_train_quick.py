@@ -61,3 +61,21 @@ def test_ctrl_c_keeps_a_usable_checkpoint(tmp_path):
     ck = torch.load(str(out / "interrupted.pt"))
     assert ck["step"] >= 3
     assert set(ck["model"]) and ck["config"]["task"] == "listops"
+
+
+def test_quick_recall_with_curriculum(tmp_path):
+    # Recall: factored (key + value-slot) embeddings, read out at the query position, the first steps
+    # on short sequences; then DFSS evaluation of the checkpoint.
+    out = tmp_path / "recall"
+    r = run("train", "--quick", "--quiet", "--task", "recall", "--curriculum-steps", "8", "--curriculum-len", "8", "16",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    ck = torch.load(str(out / "final.pt"))
+    cfg = ck["config"]
+    assert cfg["embedding"] == "factored" and cfg["pool"] == "last"
+    assert cfg["curriculum_steps"] == 8 and cfg["curriculum_len"] == [8, 16]
+    assert {"key_embed.weight", "slot_embed.weight"} <= set(ck["model"])
+    assert ck["step"] == 20
+    r = run("eval", "--checkpoint", str(out / "final.pt"), "--attention", "1:2")
+    assert r.returncode == 0, r.stderr
+    assert 0.0 <= json.loads(r.stdout)["1:2"]["test_acc"] <= 1.0

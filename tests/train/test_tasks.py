@@ -79,24 +79,27 @@ class RecallTest(unittest.TestCase):
         split = tasks.associative_recall(300, seed=11, min_len=40, max_len=120)
         for toks, label in zip(split.tokens, split.labels):
             self.assertEqual(toks[0], tasks.CLS)
-            self.assertEqual(toks[-2], tasks.QUERY)
-            pairs = [divmod(t - tasks.PAIR0, 10) for t in toks[1:-2]]
+            self.assertTrue(all(tasks.RECALL0 <= t < tasks.VOCAB for t in toks[1:]))
+            # Decoded here from the documented layout (17 + 11 key + slot), not with the module's helper.
+            pairs = [divmod(t - 17, 11) for t in toks[1:-1]]
             keys = [k for k, _ in pairs]
             self.assertEqual(len(keys), len(set(keys)))  # distinct keys
-            self.assertTrue(all(0 <= k < tasks.NUM_KEYS for k in keys))
-            query = toks[-1] - tasks.QKEY0
+            self.assertTrue(all(0 <= k < 1024 and 0 <= v < 10 for k, v in pairs))
+            query, slot = divmod(toks[-1] - 17, 11)
+            self.assertEqual(slot, 10)  # the query's value slot is "asked"
             self.assertEqual(dict(pairs)[query], label)
+            self.assertEqual(tasks.recall_fields(toks[-1]), (query, slot))
             self.assertGreaterEqual(len(toks), 40)
             self.assertLessEqual(len(toks), 120)
 
     def test_query_position_and_values_are_spread(self):
         # The queried pair sits anywhere in the sequence, and labels are near uniform, so neither
         # position nor value frequencies answer the question.
-        split = tasks.associative_recall(2000, seed=12, min_len=100, max_len=131)
+        split = tasks.associative_recall(2000, seed=12, min_len=100, max_len=1100)
         where = []
         for toks in split.tokens:
-            keys = [(t - tasks.PAIR0) // 10 for t in toks[1:-2]]
-            where.append(keys.index(toks[-1] - tasks.QKEY0) / len(keys))
+            keys = [tasks.recall_fields(t)[0] for t in toks[1:-1]]
+            where.append(keys.index(tasks.recall_fields(toks[-1])[0]) / len(keys))
         self.assertLess(min(where), 0.05)
         self.assertGreater(max(where), 0.95)
         counts = [split.labels.count(c) for c in range(10)]

@@ -57,19 +57,35 @@ class Block(nn.Module):
 
 class Encoder(nn.Module):
     def __init__(self, vocab: int, dim: int, heads: int, layers: int, ffn: int, max_len: int, classes: int,
-                 pool: str = "mean"):
+                 pool: str = "mean", factored: bool = False):
         super().__init__()
         self.pool = pool
-        self.embed = nn.Embedding(vocab, dim)
+        self.factored = factored
+        if factored:
+            # Recall tokens are (key, value slot) pairs: embedded as key + slot, so that a query and
+            # the pair it asks for share the key's embedding (tasks.py); other tokens as usual.
+            self.embed = nn.Embedding(tasks.RECALL0, dim)
+            self.key_embed = nn.Embedding(tasks.NUM_KEYS, dim)
+            self.slot_embed = nn.Embedding(tasks.SLOTS, dim)
+        else:
+            self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
         self.pattern = "dense"
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.factored:
+            return self.embed(tokens)
+        recall = tokens >= tasks.RECALL0
+        rel = (tokens - tasks.RECALL0).clamp(min=0)
+        pair = self.key_embed(rel // tasks.SLOTS) + self.slot_embed(rel % tasks.SLOTS)
+        return torch.where(recall[..., None], pair, self.embed(tokens.clamp(max=tasks.RECALL0 - 1)))
+
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embed(tokens) + self.pos(pos)[None]
+        x = self.embed_tokens(tokens) + self.pos(pos)[None]
         for blk in self.blocks:
             x = blk(x, lengths, self.pattern)
         x = self.ln(x)
@@ -131,9 +147,10 @@ class Progress:
 
 
 def build(cfg: Dict) -> Encoder:
-    # Checkpoints record their vocabulary size (44 before the recall task had its own keys).
+    # Checkpoints record their vocabulary size (44 before the recall task had its own keys) and
+    # whether recall tokens are embedded as key + value slot.
     return Encoder(cfg.get("vocab", 44), cfg["dim"], cfg["heads"], cfg["layers"], cfg["ffn"], cfg["max_len"], tasks.NUM_CLASSES,
-                   cfg.get("pool", "mean"))
+                   cfg.get("pool", "mean"), cfg.get("embedding", "token") == "factored")
 
 
 def data_for(cfg: Dict):
@@ -158,10 +175,17 @@ def cmd_train(args) -> int:
         cfg = {"task": args.task, "dim": args.dim, "heads": args.heads, "layers": args.layers, "ffn": args.ffn,
                "min_len": args.min_len, "max_len": args.max_len, "data_seed": args.data_seed,
                "train_size": args.train_size, "val_size": args.val_size, "test_size": args.test_size,
-               "pool": "last" if args.task == "recall" else "mean", "vocab": tasks.VOCAB}
+               "pool": "last" if args.task == "recall" else "mean", "vocab": tasks.VOCAB,
+               "embedding": "factored" if args.task == "recall" else "token"}
     cfg.update({"attention": args.attention, "steps": args.steps, "lr": args.lr, "batch": args.batch,
-                "seed": args.seed, "init": args.init})
+                "seed": args.seed, "init": args.init, "curriculum_steps": args.curriculum_steps,
+                "curriculum_len": args.curriculum_len})
     train, val, test = data_for(cfg)
+    # Curriculum: the first steps train on short sequences of the same task (a fourth, disjoint seed
+    # stream), where the one relevant key is a large share of a row's attention from the start.
+    short = tasks.TASKS[cfg["task"]](args.curriculum_steps * args.batch, cfg["data_seed"] * 1000 + 3,
+                                     min_len=args.curriculum_len[0], max_len=args.curriculum_len[1]) \
+        if args.curriculum_steps else None
     model = build(cfg)
     if init is not None:
         model.load_state_dict(init["model"])
@@ -179,12 +203,15 @@ def cmd_train(args) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prog = Progress(args.steps, args.quiet)
     step, t0, run_loss, run_acc = 0, time.time(), None, None
-    it = iter(())
+    it = batches(short, args.batch, gen) if short else iter(())
+    in_curriculum = short is not None
     while step < args.steps and not stop["now"]:
+        if in_curriculum and step == args.curriculum_steps:
+            it, in_curriculum = iter(()), False
         try:
             t, lens, y = next(it)
         except StopIteration:
-            it = batches(train, args.batch, gen)
+            it = batches(short if in_curriculum else train, args.batch, gen)
             continue
         logits = model(t, lens)
         loss = F.cross_entropy(logits, y)
@@ -298,6 +325,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     tr.add_argument("--val-size", type=int, default=1000)
     tr.add_argument("--test-size", type=int, default=2000)
     tr.add_argument("--eval-every", type=int, default=250)
+    tr.add_argument("--curriculum-steps", type=int, default=0,
+                    help="train the first N steps (of --steps) on short sequences (--curriculum-len)")
+    tr.add_argument("--curriculum-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
     tr.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
     tr.add_argument("--data-seed", type=int, default=1, help="dataset generation (splits use disjoint streams)")
     tr.add_argument("--threads", type=int, default=2)

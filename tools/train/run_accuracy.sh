@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The accuracy experiment of docs/accuracy.md for one task: dense training, evaluation of the dense
 # model with DFSS 1:2 and 2:4 (no finetuning), DFSS finetuning from the dense model with 20% of the
-# dense steps, and DFSS 2:4 trained from scratch with the dense budget.
+# dense steps, and DFSS trained from scratch with the dense budget (patterns in $SCRATCH, default
+# "2:4 1:2"). Extra arguments go to the dense and from-scratch runs (e.g. --lr, --curriculum-steps).
 # Usage: run_accuracy.sh PYTHON TASK STEPS MIN_LEN MAX_LEN OUT_DIR [extra dfss_train.py train args]
 set -euo pipefail
 py=$1 task=$2 steps=$3 min_len=$4 max_len=$5 out=$6
@@ -17,4 +18,6 @@ for p in 2:4 1:2; do
   $train train --quiet --attention "$p" --init "$out/dense/final.pt" --steps "$ft" --eval-every $(( ft / 5 )) \
     --out "$out/ft-${p/:/-}" | tee "$out/ft-${p/:/-}.json"
 done
-$train train "${common[@]}" --attention 2:4 --steps "$steps" --out "$out/scratch-2-4" | tee "$out/scratch-2-4.json"
+for p in ${SCRATCH-2:4 1:2}; do
+  $train train "${common[@]}" --attention "$p" --steps "$steps" --out "$out/scratch-${p/:/-}" | tee "$out/scratch-${p/:/-}.json"
+done

@@ -4,7 +4,7 @@ validation accuracy against finetuning steps. Standard library only (hand-writte
 
 Usage: summarize.py RESULTS_DIR [RESULTS_DIR ...] --svg docs/accuracy_finetune.svg > table.md
 Each RESULTS_DIR is run_accuracy.sh's OUT_DIR for one task (dense/, ft-2-4/, ft-1-2/, scratch-2-4/,
-dense-eval.json).
+scratch-1-2/, dense-eval.json); a from-scratch run that is missing shows as "not run".
 """
 import argparse
 import json
@@ -24,6 +24,11 @@ def eval_json(d):
         return json.loads(f.read().strip().splitlines()[-1])
 
 
+def label(log):
+    c = log["config"]
+    return f"{c['task']} (L {c['min_len']}-{c['max_len']})"
+
+
 def pct(x):
     return f"{100 * x:.1f}"
 
@@ -33,7 +38,7 @@ def table(dirs):
            "|---|---|---|---|---|---|---|---|"]
     for d in dirs:
         dense = load(d, "dense")
-        task = dense["config"]["task"]
+        task = label(dense)
         ev = eval_json(d)
         base = dense["test_acc"]
         mins = lambda log: f"{log['train_seconds'] / 60:.1f} min"
@@ -47,15 +52,17 @@ def table(dirs):
             out.append(f"| {task} | dense-trained + DFSS finetuning | DFSS {p} | {ft['steps_done']} "
                        f"({100 * ft['steps_done'] / dense['steps_done']:.0f}% of dense) | {pct(ft['val'][-1]['acc'])} | "
                        f"{pct(ft['test_acc'])} | {100 * (ft['test_acc'] - base):+.1f} | {mins(ft)} |")
-        if not os.path.exists(os.path.join(d, "scratch-2-4", "log.json")):
-            out.append(f"| {task} | DFSS-trained from scratch | DFSS 2:4 | not run | | | | |")
-            continue
-        sc = load(d, "scratch-2-4")
-        # The dense run's validation accuracy at the same step count, for a budget shorter than dense's.
-        same = [v["acc"] for v in dense["val"] if v["step"] == sc["steps_done"]]
-        note = f" (dense at step {sc['steps_done']}: val {pct(same[0])})" if same and sc["steps_done"] != dense["steps_done"] else ""
-        out.append(f"| {task} | DFSS-trained from scratch | DFSS 2:4 | {sc['steps_done']}{note} | {pct(sc['val'][-1]['acc'])} | "
-                   f"{pct(sc['test_acc'])} | {100 * (sc['test_acc'] - base):+.1f} | {mins(sc)} |")
+        for p in ("1:2", "2:4"):
+            name = "scratch-" + p.replace(":", "-")
+            if not os.path.exists(os.path.join(d, name, "log.json")):
+                out.append(f"| {task} | DFSS-trained from scratch | DFSS {p} | not run | | | | |")
+                continue
+            sc = load(d, name)
+            # The dense run's validation accuracy at the same step count, for a budget shorter than dense's.
+            same = [v["acc"] for v in dense["val"] if v["step"] == sc["steps_done"]]
+            note = f" (dense at step {sc['steps_done']}: val {pct(same[0])})" if same and sc["steps_done"] != dense["steps_done"] else ""
+            out.append(f"| {task} | DFSS-trained from scratch | DFSS {p} | {sc['steps_done']}{note} | {pct(sc['val'][-1]['acc'])} | "
+                       f"{pct(sc['test_acc'])} | {100 * (sc['test_acc'] - base):+.1f} | {mins(sc)} |")
     return "\n".join(out)
 
 
@@ -70,7 +77,7 @@ def svg(dirs, path):
         curves = {k: load(d, k)["val"] for k in ("ft-2-4", "ft-1-2")}
         xmax = max(v[-1]["step"] for v in curves.values())
         parts.append(f'<text x="{x0 + pw / 2}" y="22" text-anchor="middle" font-size="14">'
-                     f'{escape(dense["config"]["task"])}: validation accuracy during DFSS finetuning</text>')
+                     f'{escape(label(dense))}: validation accuracy during DFSS finetuning</text>')
         parts.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
         sx = lambda s: x0 + pw * s / xmax
         sy = lambda a: y0 + ph * (1 - a)

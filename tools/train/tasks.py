@@ -4,15 +4,16 @@ ListOps (Long Range Arena style): nested lists of MAX, MIN, MED and SUM_MOD over
 label is the value of the whole expression (10 classes). The generator grows a random tree inside a
 token budget so that lengths spread over [min_len, max_len] without rejection sampling.
 
-Associative recall: a long sequence of key-value tokens (one token per pair: key k in 0..127 bound
-to value v in 0..9), keys distinct within a sequence, then a query marker and a query token naming
-one of the keys; the label is that key's value (10 classes). Every value occurs with many other
-keys, so the sequence's bag of tokens says nothing about the answer: the query must attend to the
-one matching pair, anywhere in the sequence.
+Associative recall: a long sequence of key-value tokens (one token per pair: key k in 0..1023 bound
+to value v in 0..9), keys distinct within a sequence, then a query token that names one of the keys
+with the value slot "asked" (10); the label is that key's value (10 classes). Every value occurs
+with many other keys, so the sequence's bag of tokens says nothing about the answer: the query must
+attend to the one matching pair, anywhere in the sequence. A recall token is a (key, value-slot)
+pair, so a model can embed it as key embedding + slot embedding (dfss_train.py does): the query and
+its pair then share the key's embedding, and matching them is one content-based attention lookup.
 
 Token ids are shared by both tasks: 0 = PAD, 1 = CLS, 2..11 = digits 0..9, 12..15 = the ListOps
-operators, 16 = close bracket, 17 = query marker, 18..1297 = recall pairs (18 + 10 k + v),
-1298..1425 = recall query keys.
+operators, 16 = close bracket, 17 + 11 k + s = recall key k with value slot s (s = 10: the query).
 """
 from __future__ import annotations
 
@@ -25,12 +26,21 @@ DIGIT0 = 2
 OPS = ("MAX", "MIN", "MED", "SM")
 OP0 = 12
 CLOSE = 16
-QUERY = 17
-NUM_KEYS = 128
-PAIR0 = 18
-QKEY0 = PAIR0 + 10 * NUM_KEYS
-VOCAB = QKEY0 + NUM_KEYS
 NUM_CLASSES = 10
+RECALL0 = 17
+NUM_KEYS = 1024  # distinct keys per sequence: recall sequences reach NUM_KEYS + 2 tokens
+SLOTS = NUM_CLASSES + 1  # value slots 0..9 and ASKED
+ASKED = NUM_CLASSES
+VOCAB = RECALL0 + SLOTS * NUM_KEYS
+
+
+def recall_token(key: int, slot: int) -> int:
+    return RECALL0 + SLOTS * key + slot
+
+
+def recall_fields(token: int) -> Tuple[int, int]:
+    """(key, value slot) of a recall token."""
+    return divmod(token - RECALL0, SLOTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +96,16 @@ def listops(n: int, seed: int, min_len: int = 64, max_len: int = 512, max_depth:
 
 
 def associative_recall(n: int, seed: int, min_len: int = 64, max_len: int = 512) -> Split:
-    """n recall examples: [CLS] (k1,v1) (k2,v2) ... [QUERY] k with distinct keys; label: k's value.
-    Lengths are capped at NUM_KEYS + 3 (one pair per key)."""
+    """n recall examples: [CLS] (k1,v1) (k2,v2) ... (k, ASKED) with distinct keys; label: k's value.
+    Lengths are capped at NUM_KEYS + 2 (one pair per key)."""
     rng = random.Random(seed)
     tokens, labels = [], []
     for _ in range(n):
-        pairs = min(NUM_KEYS, max(1, rng.randint(min_len, max_len) - 3))
+        pairs = min(NUM_KEYS, max(1, rng.randint(min_len, max_len) - 2))
         keys = rng.sample(range(NUM_KEYS), pairs)
-        values = [rng.randrange(10) for _ in keys]
+        values = [rng.randrange(NUM_CLASSES) for _ in keys]
         q = rng.randrange(pairs)
-        tokens.append([CLS] + [PAIR0 + 10 * k + v for k, v in zip(keys, values)] + [QUERY, QKEY0 + keys[q]])
+        tokens.append([CLS] + [recall_token(k, v) for k, v in zip(keys, values)] + [recall_token(keys[q], ASKED)])
         labels.append(values[q])
     return Split(tokens, labels)
 

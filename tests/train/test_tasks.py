@@ -59,6 +59,14 @@ class ListOpsTest(unittest.TestCase):
             self.assertLessEqual(deepest, 10)
             self.assertEqual(depth, 0)
 
+    def test_long_sequences_beyond_1024_tokens(self):
+        # LRA's ListOps goes to 2,000 tokens; lengths are drawn in [min_len, max_len] with labels intact.
+        split = tasks.listops(20, seed=8, min_len=1024, max_len=2048)
+        for toks, label in zip(split.tokens, split.labels):
+            self.assertGreaterEqual(len(toks), 1024)
+            self.assertLessEqual(len(toks), 2048)
+            self.assertEqual(eval_listops_recursive(toks), label)
+
     def test_all_classes_occur_and_no_class_dominates(self):
         labels = tasks.listops(2000, seed=7, min_len=64, max_len=256).labels
         counts = [labels.count(c) for c in range(10)]

@@ -8,6 +8,7 @@ scratch-1-2/, dense-eval.json); a from-scratch run that is missing shows as "not
 """
 import argparse
 import json
+import math
 import os
 from xml.sax.saxutils import escape
 
@@ -33,6 +34,15 @@ def pct(x):
     return f"{100 * x:.1f}"
 
 
+def pct2(x):
+    # Test splits of 2,000 sequences move in steps of 0.05 points: two decimals show them exactly.
+    return f"{100 * x:.2f}"
+
+
+def diff(x, base):
+    return f"{100 * (x - base):+.2f}"
+
+
 def table(dirs):
     out = ["| task | model | attention at test | steps | val acc % | test acc % | vs dense (pp) | wall time |",
            "|---|---|---|---|---|---|---|---|"]
@@ -43,15 +53,15 @@ def table(dirs):
         base = dense["test_acc"]
         mins = lambda log: f"{log['train_seconds'] / 60:.1f} min"
         out.append(f"| {task} | dense-trained | dense | {dense['steps_done']} | {pct(dense['val'][-1]['acc'])} | "
-                   f"{pct(base)} | - | {mins(dense)} |")
+                   f"{pct2(base)} | - | {mins(dense)} |")
         for p in ("1:2", "2:4"):
             out.append(f"| {task} | dense-trained, no finetuning | DFSS {p} | 0 | {pct(ev[p]['val_acc'])} | "
-                       f"{pct(ev[p]['test_acc'])} | {100 * (ev[p]['test_acc'] - base):+.1f} | - |")
+                       f"{pct2(ev[p]['test_acc'])} | {diff(ev[p]['test_acc'], base)} | - |")
         for p in ("1:2", "2:4"):
             ft = load(d, "ft-" + p.replace(":", "-"))
             out.append(f"| {task} | dense-trained + DFSS finetuning | DFSS {p} | {ft['steps_done']} "
                        f"({100 * ft['steps_done'] / dense['steps_done']:.0f}% of dense) | {pct(ft['val'][-1]['acc'])} | "
-                       f"{pct(ft['test_acc'])} | {100 * (ft['test_acc'] - base):+.1f} | {mins(ft)} |")
+                       f"{pct2(ft['test_acc'])} | {diff(ft['test_acc'], base)} | {mins(ft)} |")
         for p in ("1:2", "2:4"):
             name = "scratch-" + p.replace(":", "-")
             if not os.path.exists(os.path.join(d, name, "log.json")):
@@ -62,7 +72,7 @@ def table(dirs):
             same = [v["acc"] for v in dense["val"] if v["step"] == sc["steps_done"]]
             note = f" (dense at step {sc['steps_done']}: val {pct(same[0])})" if same and sc["steps_done"] != dense["steps_done"] else ""
             out.append(f"| {task} | DFSS-trained from scratch | DFSS {p} | {sc['steps_done']}{note} | {pct(sc['val'][-1]['acc'])} | "
-                       f"{pct(sc['test_acc'])} | {100 * (sc['test_acc'] - base):+.1f} | {mins(sc)} |")
+                       f"{pct2(sc['test_acc'])} | {diff(sc['test_acc'], base)} | {mins(sc)} |")
     return "\n".join(out)
 
 
@@ -79,11 +89,16 @@ def svg(dirs, path):
         parts.append(f'<text x="{x0 + pw / 2}" y="22" text-anchor="middle" font-size="14">'
                      f'{escape(label(dense))}: validation accuracy during DFSS finetuning</text>')
         parts.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+        # The y axis spans the data (whole points around it), not 0-100%: the differences that
+        # matter here are fractions of a point.
+        accs = [p["acc"] for v in curves.values() for p in v] + [dense["val"][-1]["acc"]]
+        lo, hi = math.floor(100 * min(accs) - 1) / 100, math.ceil(100 * max(accs) + 1) / 100
         sx = lambda s: x0 + pw * s / xmax
-        sy = lambda a: y0 + ph * (1 - a)
-        for a in (0, 0.25, 0.5, 0.75, 1.0):
+        sy = lambda a: y0 + ph * (1 - (a - lo) / (hi - lo))
+        for i in range(5):
+            a = lo + (hi - lo) * i / 4
             parts.append(f'<line x1="{x0}" x2="{x0 + pw}" y1="{sy(a)}" y2="{sy(a)}" stroke="#ddd"/>')
-            parts.append(f'<text x="{x0 - 6}" y="{sy(a) + 4}" text-anchor="end">{int(100 * a)}%</text>')
+            parts.append(f'<text x="{x0 - 6}" y="{sy(a) + 4}" text-anchor="end">{100 * a:.1f}%</text>')
         for s in (0, xmax // 2, xmax):
             parts.append(f'<text x="{sx(s)}" y="{y0 + ph + 16}" text-anchor="middle">{s}</text>')
         parts.append(f'<text x="{x0 + pw / 2}" y="{y0 + ph + 34}" text-anchor="middle">finetuning steps</text>')
@@ -96,7 +111,7 @@ def svg(dirs, path):
             for p in pts:
                 parts.append(f'<circle cx="{sx(p["step"]):.1f}" cy="{sy(p["acc"]):.1f}" r="3" fill="{COLORS[k]}"/>')
         for i, k in enumerate(("ft-2-4", "ft-1-2")):
-            parts.append(f'<text x="{x0 + 10}" y="{y0 + ph - 30 + 16 * i}" fill="{COLORS[k]}">'
+            parts.append(f'<text x="{x0 + 10}" y="{y0 + 18 + 16 * i}" fill="{COLORS[k]}">'
                          f'DFSS {k[3:].replace("-", ":")} finetuned from dense</text>')
     parts.append("</svg>")
     with open(path, "w") as f:

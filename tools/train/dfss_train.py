@@ -203,7 +203,7 @@ def cmd_train(args) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prog = Progress(args.steps, args.quiet)
     step, t0, run_loss, run_acc = 0, time.time(), None, None
-    it = batches(short, args.batch, gen) if short else iter(())
+    it = iter(())  # an exhausted iterator: the loop starts the first epoch (of `short` or `train`)
     in_curriculum = short is not None
     while step < args.steps and not stop["now"]:
         if in_curriculum and step == args.curriculum_steps:

@@ -3,6 +3,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/element_access.hpp"
 #include "core/select.hpp"
 #include "core/validate.hpp"
 #include "cpu/fused_forward.hpp"
@@ -39,6 +40,52 @@ status run_forward(const attention_params& p, const kernel_selection& s, const a
   }
   return {status_code::internal, std::string(kForwardOp) + ": selector chose '" + s.name +
                                      "', which is not a forward kernel"};
+}
+
+/// Writes @p value to every element of the [n0, n1, n2, n3] tensor at @p base (element strides
+/// @p stride, type @p t). For the empty problems below only, so not a hot path.
+void fill(void* base, dtype t, const std::int64_t* stride, const std::int64_t (&shape)[4], double value) {
+  for (std::int64_t a = 0; a < shape[0]; ++a)
+    for (std::int64_t b = 0; b < shape[1]; ++b)
+      for (std::int64_t c = 0; c < shape[2]; ++c)
+        for (std::int64_t e = 0; e < shape[3]; ++e)
+          core::store_from_double(base, t, a * stride[0] + b * stride[1] + c * stride[2] + e * stride[3], value);
+}
+
+bool no_rows(const attention_params& p) { return p.batch * p.heads * p.seqlen_q == 0; }
+
+/// A problem without work (docs/semantics.md, "Shapes"): with B, H or Lq = 0 there is nothing to
+/// write; with Lk = 0 every row is empty, so O = 0 and LSE = -inf. Answered here, once, so that no
+/// kernel has to handle zero-sized loops. Returns false when the kernels must run.
+bool forward_without_work(const attention_params& p, const kernel_selection& s, status& st) {
+  if (no_rows(p)) return (st = status::success()), true;
+  if (p.seqlen_k != 0) return false;
+  if (s.backend == backend::cuda) {
+    st = {status_code::unsupported, std::string(kForwardOp) + ": the cuda backend does not take seqlen_k = 0 yet"};
+    return true;
+  }
+  fill(p.o, p.o_type, p.o_stride, {p.batch, p.seqlen_q, p.heads, p.head_dim}, 0.0);
+  if (p.lse != nullptr) {
+    const std::int64_t lse_stride[4] = {p.lse_stride[0], p.lse_stride[1], p.lse_stride[2], 0};
+    fill(p.lse, p.lse_type, lse_stride, {p.batch, p.heads, p.seqlen_q, 1}, -std::numeric_limits<double>::infinity());
+  }
+  st = status::success();
+  return true;
+}
+
+/// The backward of a problem without work: every gradient is zero (dK and dV get no contribution
+/// when no query row exists; dQ and dBias have no key to sum over when Lk = 0).
+bool backward_without_work(const attention_params& p, const backward_args& a) {
+  if (!no_rows(p) && p.seqlen_k != 0) return false;
+  fill(p.dq, p.output_type, p.dq_stride, {p.batch, p.seqlen_q, p.heads, p.head_dim}, 0.0);
+  fill(p.dk, p.output_type, p.dk_stride, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}, 0.0);
+  fill(p.dv, p.output_type, p.dv_stride, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}, 0.0);
+  if (p.dbias != nullptr) {
+    // dbias's own shape: a dimension broadcast over (size 1) sums over zero rows when B or H is 0.
+    const auto& n = a.dbias.shape;
+    fill(p.dbias, p.bias_type, p.dbias_stride, {n[0], n[1], n[2], n[3]}, 0.0);
+  }
+  return true;
 }
 
 using cpu_kernel = status (*)(const attention_params&) noexcept;
@@ -103,6 +150,7 @@ status try_attention_forward(const forward_args& args, const attention_config& c
               std::string(kForwardOp) + ": the compressed outputs need the cpu three-stage kernel, but '" +
                   s.name + "' was selected (the cpu backend takes f32, f16 and bf16 inputs)"};
     }
+    if (forward_without_work(p, s, st)) return st;
     return run_forward(p, s, config);
   } catch (const std::exception& e) {
     return {status_code::internal, std::string(kForwardOp) + ": " + e.what()};
@@ -116,6 +164,7 @@ status try_attention_backward(const backward_args& args, const attention_config&
     if (!st.ok()) return st;
     const kernel_selection s = core::select(p, config, core::direction::backward);
     if (!s.supported()) return unsupported(kBackwardOp, s);
+    if (backward_without_work(p, args)) return status::success();
     return run_backward(p, s);
   } catch (const std::exception& e) {
     return {status_code::internal, std::string(kBackwardOp) + ": " + e.what()};

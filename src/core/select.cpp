@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "core/device_memory.hpp"
 #include "cpu/isa.hpp"
 #if defined(DFSS_WITH_CUDA_BACKEND)
 #include "cuda/attention_cuda.hpp"
@@ -105,11 +106,27 @@ kernel_selection select_cuda(const attention_params& p, direction dir) {
 }  // namespace
 
 kernel_selection select(const attention_params& p, const attention_config& config, direction dir) {
+  // Host backends would dereference device memory: automatic sends such calls to the CUDA
+  // backend, an explicit host backend refuses them (the cuda backend checks its own pointers).
+  const char* on_device = config.backend == backend::cuda ? nullptr : first_device_argument(p);
+  if (on_device != nullptr && config.backend != backend::automatic) {
+    return reject(config.backend, std::string("argument '") + on_device +
+                                      "' is CUDA device memory, but this backend reads host memory; use "
+                                      "backend cuda (or automatic)");
+  }
   switch (config.backend) {
     case backend::reference: return select_reference(dir);
     case backend::cpu: return select_cpu(p, config, dir);
     case backend::cuda: return select_cuda(p, dir);
     case backend::automatic: {
+      if (on_device != nullptr) {
+        kernel_selection s = select_cuda(p, dir);
+        if (!s.supported()) {
+          s.reason = std::string("argument '") + on_device + "' is CUDA device memory, so only the cuda backend " +
+                     "can run this call, and it cannot: " + s.reason;
+        }
+        return s;
+      }
       kernel_selection s = select_cpu(p, config, dir);
       return s.supported() ? s : select_reference(dir);
     }

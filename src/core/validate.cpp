@@ -2,6 +2,8 @@
 // "<op>: argument '<name>': expected <what>, got <value>".
 #include "core/validate.hpp"
 
+#include "core/device_memory.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -43,14 +45,19 @@ bool mul_overflows(std::int64_t a, std::int64_t b, std::int64_t& out) {
   return __builtin_mul_overflow(a, b, &out);
 }
 
+/// Number of elements of a validated view (0 when any dimension is 0).
+std::int64_t numel_of(const tensor_view& t) {
+  std::int64_t n = 1;
+  for (int d = 0; d < t.rank; ++d) n *= t.shape[d];
+  return n;
+}
+
 /// Checks presence, rank, non-negative sizes and strides, alignment, and that the largest element
-/// offset (in bytes) fits in int64. Returns false (after recording the failure) on any problem.
+/// offset (in bytes) fits in int64. A view with no elements (some dimension is 0) may have a null
+/// data pointer: it addresses no memory (docs/semantics.md, "Shapes"). Returns false (after
+/// recording the failure) on any problem.
 bool check_view(checker& c, const char* name, const tensor_view& t, int rank) {
   if (c.failed()) return false;
-  if (t.data == nullptr) {
-    c.fail(name, "a non-null data pointer", "nullptr");
-    return false;
-  }
   if (t.rank != rank) {
     c.fail(name, std::to_string(rank) + " dimensions", std::to_string(t.rank) + " dimensions " +
                                                            (t.rank >= 0 && t.rank <= kMaxRank ? shape_str(t) : ""));
@@ -59,6 +66,25 @@ bool check_view(checker& c, const char* name, const tensor_view& t, int rank) {
   const std::size_t esize = dtype_size(t.type);
   if (esize == 0) {
     c.fail(name, "a known element type", "type code " + std::to_string(static_cast<int>(t.type)));
+    return false;
+  }
+  bool empty = false;
+  for (int d = 0; d < rank; ++d) {
+    if (t.shape[d] < 0) {
+      c.fail(name, "shape[" + std::to_string(d) + "] >= 0", std::to_string(t.shape[d]) + " (shape " + shape_str(t) + ")");
+      return false;
+    }
+    empty = empty || t.shape[d] == 0;
+  }
+  for (int d = 0; d < rank; ++d) {
+    if (t.stride[d] < 0) {
+      c.fail(name, "stride[" + std::to_string(d) + "] >= 0", std::to_string(t.stride[d]));
+      return false;
+    }
+  }
+  if (t.data == nullptr && !empty) {
+    c.fail(name, "a non-null data pointer (only a view with no elements may have none)",
+           "nullptr with shape " + shape_str(t));
     return false;
   }
   if (reinterpret_cast<std::uintptr_t>(t.data) % esize != 0) {
@@ -70,23 +96,16 @@ bool check_view(checker& c, const char* name, const tensor_view& t, int rank) {
   std::int64_t numel = 1;
   std::int64_t max_off = 0;
   for (int d = 0; d < rank; ++d) {
-    if (t.shape[d] < 1) {
-      c.fail(name, "shape[" + std::to_string(d) + "] >= 1", std::to_string(t.shape[d]) + " (shape " + shape_str(t) + ")");
-      return false;
-    }
-    if (t.stride[d] < 0) {
-      c.fail(name, "stride[" + std::to_string(d) + "] >= 0", std::to_string(t.stride[d]));
-      return false;
-    }
     std::int64_t span = 0;
     if (mul_overflows(numel, t.shape[d], numel) ||
-        mul_overflows(t.shape[d] - 1, t.stride[d], span) ||
+        (t.shape[d] > 0 && mul_overflows(t.shape[d] - 1, t.stride[d], span)) ||
         __builtin_add_overflow(max_off, span, &max_off)) {
       c.fail(name, "sizes and strides whose products fit in 64 bits",
              "shape " + shape_str(t) + " that overflows");
       return false;
     }
   }
+  if (empty) return true;
   std::int64_t bytes = 0;
   if (mul_overflows(max_off + 1, static_cast<std::int64_t>(esize), bytes) ||
       static_cast<std::uint64_t>(bytes) > UINTPTR_MAX - reinterpret_cast<std::uintptr_t>(t.data)) {
@@ -113,10 +132,11 @@ struct byte_range {
 };
 
 byte_range range_of(const tensor_view& t) {
+  const auto b = reinterpret_cast<std::uintptr_t>(t.data);
+  if (numel_of(t) == 0) return {b, b};  // addresses nothing, overlaps nothing
   std::int64_t max_off = 0;
   for (int d = 0; d < t.rank; ++d) max_off += (t.shape[d] - 1) * t.stride[d];
   const auto esize = static_cast<std::int64_t>(dtype_size(t.type));
-  const auto b = reinterpret_cast<std::uintptr_t>(t.data);
   return {b, b + static_cast<std::uintptr_t>((max_off + 1) * esize)};
 }
 
@@ -155,6 +175,7 @@ bool delta_reachable(const tensor_view& t, std::vector<int>& dims, std::size_t k
 /// checked exactly; anything else that shares bytes is treated as overlapping.
 bool may_overlap(const tensor_view& a, const tensor_view& b) {
   const byte_range ra = range_of(a), rb = range_of(b);
+  if (ra.begin == ra.end || rb.begin == rb.end) return false;
   if (ra.end <= rb.begin || rb.end <= ra.begin) return false;
   const auto esize = static_cast<std::int64_t>(dtype_size(a.type));
   if (esize != static_cast<std::int64_t>(dtype_size(b.type)) || a.rank != b.rank) return true;
@@ -180,7 +201,7 @@ void check_outputs(checker& c, const std::vector<named_view>& outputs,
                    const std::vector<named_view>& inputs) {
   for (const auto& o : outputs) {
     if (c.failed()) return;
-    if (!is_non_self_overlapping(*o.view)) {
+    if (numel_of(*o.view) > 0 && !is_non_self_overlapping(*o.view)) {
       std::ostringstream got;
       got << "strides [";
       for (int d = 0; d < o.view->rank; ++d) got << (d ? ", " : "") << o.view->stride[d];
@@ -222,6 +243,15 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
   p.seqlen_q = q.shape[1];
   p.heads = q.shape[2];
   p.head_dim = q.shape[3];
+  if (p.head_dim < 1) {
+    c.fail("q", "shape[3] (head_dim) >= 1", "0 (shape " + shape_str(q) + ")");
+    return;
+  }
+  if (p.seqlen_q > kMaxSeqLen) {
+    c.fail("q", "shape[1] (seqlen_q) <= " + std::to_string(kMaxSeqLen), std::to_string(p.seqlen_q),
+           status_code::unsupported);
+    return;
+  }
   if (p.head_dim > kMaxHeadDim) {
     c.fail("q", "shape[3] (head_dim) <= " + std::to_string(kMaxHeadDim),
            std::to_string(p.head_dim), status_code::unsupported);
@@ -234,7 +264,17 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
   if (c.failed()) return;
   p.seqlen_k = k.shape[1];
   p.heads_kv = k.shape[2];
-  if (p.heads % p.heads_kv != 0) {
+  if (p.seqlen_k > kMaxSeqLen) {
+    c.fail("k", "shape[1] (seqlen_k) <= " + std::to_string(kMaxSeqLen) +
+                    " (key indices are 32-bit in the kernels and the compressed export)",
+           std::to_string(p.seqlen_k), status_code::unsupported);
+    return;
+  }
+  if (p.heads_kv == 0 && p.heads != 0) {
+    c.fail("k", "shape[2] (heads_kv) >= 1 for " + std::to_string(p.heads) + " query heads", "0");
+    return;
+  }
+  if (p.heads_kv != 0 && p.heads % p.heads_kv != 0) {
     c.fail("k", "shape[2] (heads_kv) to divide the " + std::to_string(p.heads) + " query heads",
            std::to_string(p.heads_kv));
     return;
@@ -272,8 +312,9 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
   }
   p.scale = config.scale > 0.0 ? config.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   p.causal = config.causal;
-  if (config.num_threads < 0) {
-    c.fail("config.num_threads", "a value >= 0 (0 means all hardware threads)",
+  if (config.num_threads < 0 || config.num_threads > kMaxThreads) {
+    c.fail("config.num_threads",
+           "a value in [0, " + std::to_string(kMaxThreads) + "] (0 means all hardware threads)",
            std::to_string(config.num_threads));
     return;
   }
@@ -308,9 +349,11 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
     }
     check_dim(c, "key_lengths", key_lengths, 0, "batch", p.batch);
     if (c.failed()) return;
-    // The values live in device memory for the cuda backend and reading them would need a host
+    // The values live in device memory for the cuda backend (or when the caller passed device
+    // memory, which the selector routes or refuses) and reading them would need a host
     // synchronisation: there the kernels clamp each length to [0, seqlen_k] instead.
-    const std::int64_t checked_batches = config.backend == backend::cuda ? 0 : p.batch;
+    const bool on_device = config.backend == backend::cuda || is_device_pointer(key_lengths.data);
+    const std::int64_t checked_batches = on_device ? 0 : p.batch;
     for (std::int64_t b = 0; b < checked_batches; ++b) {
       const std::int64_t off = b * key_lengths.stride[0];
       const std::int64_t len = key_lengths.type == dtype::i32

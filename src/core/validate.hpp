@@ -13,6 +13,16 @@ namespace dfss::core {
 /// room to spare and bounds the per-row scratch that the fused CPU kernels keep on the stack.
 inline constexpr std::int64_t kMaxHeadDim = 512;
 
+/// Largest worker thread count. OpenMP implementations fail badly rather than cleanly on absurd
+/// team sizes (libgomp segfaults creating 100000 threads); 1024 is above every core count a
+/// single process sees today and bounds the per-thread scratch the kernels allocate.
+inline constexpr int kMaxThreads = 1024;
+
+/// Largest seqlen_q and seqlen_k. The kernels hold key indices (and the three-stage export its
+/// compressed indices) in int32, padded by up to a key tile: 2^31 - 2^16 leaves room for any
+/// tile. Element offsets are int64 everywhere, so only the index width sets this bound.
+inline constexpr std::int64_t kMaxSeqLen = (std::int64_t{1} << 31) - (std::int64_t{1} << 16);
+
 /// @brief Validates forward arguments and fills @p params. @p op names the API call in messages.
 status build_forward_params(const forward_args& args, const attention_config& config,
                             const char* op, attention_params& params);

@@ -1,6 +1,7 @@
 """The accuracy experiment's pipeline end to end (tools/train/dfss_train.py --quick): dense training,
 finetuning with DFSS from the dense checkpoint, evaluation under each pattern, and Ctrl-C leaving a
-usable checkpoint. A few steps on short sequences: this checks the plumbing, not accuracy."""
+usable checkpoint. A few steps on short sequences: this checks the plumbing and that the quick model
+leaves chance, not the accuracy of the experiment."""
 import json
 import os
 import signal
@@ -20,13 +21,17 @@ def run(*args, **kw):
 
 def test_quick_train_finetune_and_eval(tmp_path):
     dense = tmp_path / "dense"
-    r = run("train", "--quick", "--quiet", "--attention", "dense", "--out", str(dense))
+    # 40 steps: enough for the quick model to leave chance on ListOps (it measured 18.75% test
+    # accuracy, 12 of 64, where guessing gives 10%); 20 steps (14%) is too close to chance to tell.
+    r = run("train", "--quick", "--quiet", "--attention", "dense", "--steps", "40", "--out", str(dense))
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["attention"] == "dense" and summary["steps"] == 20
-    assert 0.0 <= summary["test_acc"] <= 1.0
+    assert summary["attention"] == "dense" and summary["steps"] == 40
+    # Beats chance (10 classes) by a margin: at least 10 of the 64 test sequences, where uniform
+    # guessing expects 6.4; a broken forward, backward or optimizer stays at or below chance.
+    assert summary["test_acc"] >= 10 / 64, summary
     log = json.loads((dense / "log.json").read_text())
-    assert [v["step"] for v in log["val"]] == [10, 20]
+    assert [v["step"] for v in log["val"]] == [10, 20, 30, 40]
 
     ft = tmp_path / "ft24"
     r = run("train", "--quick", "--quiet", "--attention", "2:4", "--init", str(dense / "final.pt"), "--steps", "10",
@@ -40,8 +45,10 @@ def test_quick_train_finetune_and_eval(tmp_path):
     r = run("eval", "--checkpoint", str(dense / "final.pt"), "--attention", "dense", "1:2", "2:4")
     assert r.returncode == 0, r.stderr
     ev = json.loads(r.stdout)
-    for p in ("dense", "1:2", "2:4"):
-        assert 0.0 <= ev[p]["test_acc"] <= 1.0
+    # Without finetuning DFSS changes few predictions of a model this small (docs/accuracy.md: within
+    # a point on ListOps); a DFSS evaluation that scrambled the attention would fall to chance.
+    for p in ("1:2", "2:4"):
+        assert abs(ev[p]["test_acc"] - ev["dense"]["test_acc"]) <= 4 / 64, ev
     # Dense evaluation of the dense checkpoint reproduces the training run's own test accuracy (other
     # batch sizes may round the linear layers differently: at most 2 of the 64 test predictions flip).
     assert abs(ev["dense"]["test_acc"] - summary["test_acc"]) <= 2 / 64

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""End-to-end tests of how `dfss attention` treats bad input and its files (docs/testing.md, "Bad
-input to the CLI"):
+"""End-to-end tests of how `dfss attention` (and the --json writers of `dfss quality` and `dfss bench`)
+treat bad input and their files (docs/testing.md, "Bad input to the CLI"):
 
 - an output path that names an input or another output (same string, ./a.npy, a/../a.npy, a symlink,
   a hard link, a not yet existing file through a symlinked directory) is rejected, exit 2, before
@@ -13,6 +13,7 @@ input to the CLI"):
   [1, 2^26, 4, 0] Q costs no 1 GiB LSE buffer), a failed allocation is exit 2 with the byte count
   (never "internal error"), /dev/zero fails at its magic string, and a pipe is read only as far as
   its header says;
+- the --json files of `dfss quality` and `dfss bench` are checked first and replaced atomically.
 Empty dimensions are tested in test_cli_empty_dims.py.
 
 Usage: test_cli_files.py DFSS_BINARY. Exits 77 (CTest skip) with a reason when NumPy is not importable.
@@ -336,6 +337,35 @@ class MemoryAndStreams(FilesCase):
         self.assertEqual(p.returncode, 2, err)
         self.assertIn(b"trailing bytes", err)
         self.assertLess(written[0], len(image) + 2 * MiB)
+
+
+class JsonWriters(FilesCase):
+
+    def test_quality_json_is_replaced_only_when_complete(self):
+        with open(self.path("report.json"), "w") as f:
+            f.write('{"previous": true}\n')
+        quality = ["quality", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--methods", "dfss,window"]
+        # A bad input found after the --json check: the old report stays (the old CLI truncated it).
+        self.expect_bad_input(["quality", "--q", "missing.npy", "--k", "k.npy", "--v", "v.npy",
+                               "--json", "report.json"], "missing.npy")
+        self.expect_bad_input(quality + ["--json", "missing/r.json"], "--json missing/r.json")
+        self.expect_bad_input(quality + ["--json", "./q.npy"], "--json ./q.npy", "--q q.npy")
+        # Why 64 bytes: less than the report, more than nothing.
+        self.expect_bad_input(quality + ["--json", "report.json"], "--json report.json", os.strerror(27),
+                              preexec_fn=limit(resource.RLIMIT_FSIZE, 64))
+        self.expect_ok(quality + ["--json", "report.json"])
+        with open(self.path("report.json")) as f:
+            self.assertEqual([row["method"] for row in json.load(f)["rows"]], ["dfss", "window"] * 2)
+
+    def test_bench_json_is_checked_before_measuring_and_replaced_atomically(self):
+        bench = ["bench", "--lengths", "64", "--heads", "2", "--iters", "1", "--warmup", "1", "--no-torch",
+                 "--no-sgemm", "--patterns", "2:4", "--algorithms", "fused", "--isa", "automatic"]
+        r = self.expect_bad_input(bench + ["--json", "missing/b.json"], "--json missing/b.json", "'missing'")
+        self.assertEqual(r.stdout, "", "the benchmark must not run when its --json cannot be written")
+        with open(self.path("b.json"), "w") as f:
+            f.write('{"previous": true}\n')
+        self.expect_bad_input(bench + ["--json", "b.json"], "--json b.json", os.strerror(27),
+                              preexec_fn=limit(resource.RLIMIT_FSIZE, 64))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@
 #include <initializer_list>
 #include <iterator>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>

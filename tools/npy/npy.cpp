@@ -486,7 +486,7 @@ bool read_up_to(int fd, std::vector<unsigned char>& out, std::size_t want, const
 
 /// Reads an .npy stream of unknown size: the preamble, then the header, then exactly the data
 /// bytes the header announces, then checks that the input ends there. Malformed input fails as soon
-/// as it is seen (/dev/zero after its first 6 bytes), and memory never exceeds what arrived.
+/// as it is seen (/dev/zero after 12 bytes), and memory never exceeds what arrived.
 array decode_stream(int fd, const std::string& name) {
   std::vector<unsigned char> head;
   if (!read_up_to(fd, head, kMaxPreamble, name)) return parse(head.data(), head.size(), name);
@@ -501,9 +501,11 @@ array decode_stream(int fd, const std::string& name) {
   const header h = header_parser(text, name).run();
   const std::size_t need = data_bytes(h.shape, item_size(h.type), name);
 
-  // Bytes of the preamble read beyond a (necessarily malformed, already rejected) short header
-  // would be data; offset <= head.size() holds here.
-  array a = allocate(h, 0, name);
+  array a;
+  a.type = h.type;
+  a.shape = h.shape;
+  // offset <= head.size(); bytes past the header (read with the preamble, possible only for a
+  // header shorter than 2 bytes, which the parser has rejected) would be the start of the data.
   a.bytes.assign(head.begin() + static_cast<std::ptrdiff_t>(offset), head.end());
   if (!read_up_to(fd, a.bytes, need, name)) {
     fail(name, "truncated " + data_what(h, need, std::to_string(a.bytes.size())));

@@ -237,7 +237,7 @@ class CliTest(DfssCliCase):
         q, k, v = self.operands()
         self.expect_bad_input(self.base_args(q=self.save("qi.npy", q.astype(np.int32))), "float64, float32 or float16")
         self.expect_bad_input(self.base_args(q=self.save("q3.npy", q[0])), "4 dimensions")
-        self.expect_bad_input(self.base_args(k=self.save("kd.npy", k[..., :3])), "'k'", "head_dim")
+        self.expect_bad_input(self.base_args(k=self.save("kd.npy", k[..., :3])), "--k", "kd.npy", "head_dim")
         self.expect_bad_input(self.base_args(k=self.save("k32.npy", k.astype(np.float32))), "--k and --v")
         self.expect_bad_input(self.base_args(k=self.save("kh.npy", np.concatenate([k, k[:, :, :1]], axis=2))), "heads_kv")
         self.expect_bad_input(self.base_args() + ["--pattern", "3:2"], "--pattern", "3:2")
@@ -248,7 +248,7 @@ class CliTest(DfssCliCase):
                               "key_lengths", "99")
         self.expect_bad_input(self.base_args() + ["--key-lengths", self.save("lf.npy", np.array([3.0, 9.0]))],
                               "int32 or int64")
-        self.expect_bad_input(self.base_args() + ["--bias", self.save("b.npy", np.zeros((3, 5)))], "'bias'")
+        self.expect_bad_input(self.base_args() + ["--bias", self.save("b.npy", np.zeros((3, 5)))], "--bias", "[3, 5]")
         self.expect_bad_input(self.base_args() + ["--dout", self.save("do.npy", q)], "--dq")
         self.expect_bad_input(self.base_args() + ["--scale", "-2"], "scale")
         self.expect_bad_input(["attention", "--q", "x.npy"], "--k")

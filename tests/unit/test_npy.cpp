@@ -1,20 +1,35 @@
 // Tests of the .npy reader/writer used by the command-line tools: round trips, the exact bytes of
 // the header numpy.save writes, every class of malformed input, truncation at every length, and a
-// fuzz loop over mutated files (all of which must parse or raise npy::error, never crash).
+// fuzz loop over mutated files (all of which must parse or raise npy::error, never crash); reading
+// pipes and devices only as far as the header says; atomic replacement of files on write
+// (npy/files.hpp): a failing write keeps the old file, modes, symlinks, /dev/null and FIFOs.
 #include "npy/npy.hpp"
+
+#include "npy/files.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <iterator>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 namespace {
@@ -98,6 +113,13 @@ class temp_dir {
     std::filesystem::remove_all(path_, ec);
   }
   std::string file(const std::string& name) const { return (path_ / name).string(); }
+  /// The names in the directory, sorted (to spot temporary files left behind).
+  std::vector<std::string> entries() const {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(path_)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
 
  private:
   std::filesystem::path path_;
@@ -453,6 +475,312 @@ TEST(Npy, TypedAccessChecksElementSize) {
   npy::array huge;
   huge.shape = {std::int64_t{1} << 40, std::int64_t{1} << 40};
   EXPECT_THROW(huge.numel(), npy::error);
+}
+
+bytes_t file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return bytes_t(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+/// Ignores a signal for the scope (SIGPIPE: a writer whose reader stopped gets EPIPE; SIGXFSZ: a
+/// write past RLIMIT_FSIZE fails with EFBIG instead of killing the process).
+class ignore_signal {
+ public:
+  explicit ignore_signal(int sig) : sig_(sig), old_(std::signal(sig, SIG_IGN)) {}
+  ignore_signal(const ignore_signal&) = delete;
+  ignore_signal& operator=(const ignore_signal&) = delete;
+  ~ignore_signal() { std::signal(sig_, old_); }
+
+ private:
+  int sig_;
+  void (*old_)(int);
+};
+
+/// Serves @p data through a FIFO at @p path from a thread, counting the bytes the reader took
+/// (the writer stops at EPIPE once the reader has closed its end).
+class fifo_writer {
+ public:
+  fifo_writer(const std::string& path, bytes_t data) : data_(std::move(data)) {
+    if (::mkfifo(path.c_str(), 0600) != 0) throw std::runtime_error("mkfifo failed");
+    thread_ = std::thread([this, path] {
+      const int fd = ::open(path.c_str(), O_WRONLY);
+      if (fd < 0) return;
+      std::size_t done = 0;
+      while (done < data_.size()) {
+        // Small writes, so that the count stays close to what the reader consumed.
+        const std::size_t step = std::min<std::size_t>(4096, data_.size() - done);
+        const ::ssize_t n = ::write(fd, data_.data() + done, step);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        done += static_cast<std::size_t>(n);
+        written_ = done;
+      }
+      ::close(fd);
+    });
+  }
+  fifo_writer(const fifo_writer&) = delete;
+  fifo_writer& operator=(const fifo_writer&) = delete;
+  ~fifo_writer() { finish(); }
+  /// Waits for the writer to stop; returns the bytes it wrote.
+  std::size_t finish() {
+    if (thread_.joinable()) thread_.join();
+    return written_;
+  }
+
+ private:
+  bytes_t data_;
+  std::atomic<std::size_t> written_{0};
+  std::thread thread_;
+};
+
+TEST(NpyStream, PipesReadLikeFiles) {
+  const temp_dir dir;
+  const ignore_signal no_sigpipe(SIGPIPE);
+  const std::vector<bytes_t> files = {
+      npy::serialize(make_array(dtype::f32, {2, 3})),
+      npy::serialize(make_array(dtype::u16, {3, 0})),
+      make_file(dict_of(">i8", "(3,)"), pattern_bytes(24), 2),
+      npy::serialize(make_array(dtype::f64, {300, 100})),  // more than one 64 KiB read
+  };
+  int serial = 0;
+  for (const bytes_t& file : files) {
+    const std::string whole = dir.file("fifo" + std::to_string(serial++));
+    {
+      fifo_writer writer(whole, file);
+      expect_same(npy::read(whole), parse(file));
+    }
+    // Every truncation (a few lengths) raises, as parse() does.
+    for (const std::size_t n : {std::size_t{0}, std::size_t{5}, std::size_t{11}, std::size_t{40}, file.size() - 1}) {
+      const std::string cut = dir.file("fifo" + std::to_string(serial++));
+      fifo_writer writer(cut, bytes_t(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(n)));
+      EXPECT_THROW(npy::read(cut), npy::error) << n;
+    }
+    bytes_t longer = file;
+    longer.push_back(0);
+    const std::string trailing = dir.file("fifo" + std::to_string(serial++));
+    fifo_writer writer(trailing, longer);
+    try {
+      npy::read(trailing);
+      ADD_FAILURE() << "expected npy::error";
+    } catch (const npy::error& e) {
+      EXPECT_NE(std::string(e.what()).find("trailing bytes"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(NpyStream, PipeIsReadOnlyAsFarAsTheHeaderSays) {
+  const temp_dir dir;
+  const ignore_signal no_sigpipe(SIGPIPE);
+  // A valid 24-byte array followed by 16 MiB of junk: the reader takes the array and one byte of
+  // the junk, reports trailing bytes and closes, so the writer is stopped by EPIPE long before the
+  // end (the pipe buffers 64 KiB; 1 MiB leaves room for the writer's last chunks).
+  bytes_t data = npy::serialize(make_array(dtype::f32, {2, 3}));
+  const std::size_t valid = data.size();
+  data.resize(valid + (std::size_t{16} << 20), 0x55);
+  const std::string path = dir.file("endless");
+  fifo_writer writer(path, data);
+  try {
+    npy::read(path);
+    ADD_FAILURE() << "expected npy::error";
+  } catch (const npy::error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("trailing bytes"), std::string::npos) << what;
+    EXPECT_NE(what.find("expected 24 bytes, found more"), std::string::npos) << what;
+  }
+  EXPECT_LT(writer.finish(), valid + (std::size_t{1} << 20));
+
+  // A header announcing 2^40 bytes of data followed by 100 bytes: truncated, and no attempt to
+  // allocate 1 TiB first.
+  const std::string huge = dir.file("huge");
+  fifo_writer liar(huge, make_file(dict_of("<f8", "(137438953472,)"), pattern_bytes(100)));
+  try {
+    npy::read(huge);
+    ADD_FAILURE() << "expected npy::error";
+  } catch (const npy::error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected 1099511627776 bytes, found 100"), std::string::npos) << e.what();
+  }
+}
+
+TEST(NpyStream, DevZeroFailsFast) {
+  // Reading /dev/zero to its end never finishes: run it in a child process that an alarm stops
+  // after 20 s (the read must fail at the magic string, after 12 bytes).
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::alarm(20);
+    try {
+      npy::read("/dev/zero");
+    } catch (const npy::error& e) {
+      ::_exit(std::string(e.what()).find("bad magic") != std::string::npos ? 0 : 3);
+    }
+    ::_exit(4);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "status " << status << " (signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0) << ")";
+}
+
+TEST(NpyWrite, FailedWriteKeepsTheOldFile) {
+  const temp_dir dir;
+  const std::string path = dir.file("out.npy");
+  npy::write(path, make_array(dtype::f32, {1000}));
+  const bytes_t before = file_bytes(path);
+  const auto names = dir.entries();
+
+  // A file size limit of 4 KiB: the 40 KiB replacement fails part way with EFBIG.
+  constexpr rlim_t kLimit = 4096;
+  rlimit old_limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  {
+    const ignore_signal no_sigxfsz(SIGXFSZ);
+    rlimit small = old_limit;
+    small.rlim_cur = kLimit;
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+    try {
+      npy::write(path, make_array(dtype::f32, {10000}));
+      ADD_FAILURE() << "expected npy::error";
+    } catch (const npy::error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(path), std::string::npos) << what;
+      EXPECT_NE(what.find(std::strerror(EFBIG)), std::string::npos) << what;
+      EXPECT_NE(what.find("of 40128 bytes"), std::string::npos) << what;
+    }
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  }
+  EXPECT_EQ(file_bytes(path), before);
+  EXPECT_EQ(dir.entries(), names) << "a temporary file was left behind";
+}
+
+TEST(NpyWrite, KeepsTheModeAndUsesTheUmaskForNewFiles) {
+  const temp_dir dir;
+  const std::string path = dir.file("mode.npy");
+  npy::write(path, make_array(dtype::f32, {3}));
+  ASSERT_EQ(::chmod(path.c_str(), 0640), 0);
+  npy::write(path, make_array(dtype::f64, {5}));
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+  expect_same(npy::read(path), make_array(dtype::f64, {5}));
+
+  for (const mode_t mask : {mode_t{022}, mode_t{077}, mode_t{0}}) {
+    const mode_t old_mask = ::umask(mask);
+    const std::string fresh = dir.file("new" + std::to_string(mask) + ".npy");
+    npy::write(fresh, make_array(dtype::u8, {4}));
+    ::umask(old_mask);
+    ASSERT_EQ(::stat(fresh.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 07777, 0666u & ~mask) << "umask " << mask;
+  }
+}
+
+TEST(NpyWrite, FollowsSymlinksAndWritesDevicesAndFifosInPlace) {
+  const temp_dir dir;
+  const std::string target = dir.file("target.npy");
+  const std::string link = dir.file("link.npy");
+  npy::write(target, make_array(dtype::f32, {2}));
+  std::filesystem::create_symlink("target.npy", link);
+  npy::write(link, make_array(dtype::i32, {7}));
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  expect_same(npy::read(target), make_array(dtype::i32, {7}));
+  // A dangling link: the file it names is created, the link stays.
+  const std::string dangling = dir.file("dangling.npy");
+  std::filesystem::create_symlink("created.npy", dangling);
+  npy::write(dangling, make_array(dtype::u8, {3}));
+  EXPECT_TRUE(std::filesystem::is_symlink(dangling));
+  expect_same(npy::read(dir.file("created.npy")), make_array(dtype::u8, {3}));
+
+  npy::write("/dev/null", make_array(dtype::f64, {100}));
+  struct stat st {};
+  ASSERT_EQ(::stat("/dev/null", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode)) << "/dev/null must stay a character device";
+
+  // A FIFO with a reader already attached receives the file (a rename would replace the FIFO and
+  // leave the reader with nothing). The image is far below the 64 KiB pipe buffer.
+  const std::string fifo = dir.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(reader, 0);
+  const npy::array a = make_array(dtype::f32, {16});
+  npy::write(fifo, a);
+  bytes_t got(4096);
+  const ::ssize_t n = ::read(reader, got.data(), got.size());
+  ::close(reader);
+  got.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+  EXPECT_EQ(got, npy::serialize(a));
+  ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  EXPECT_EQ(dir.entries(), (std::vector<std::string>{"created.npy", "dangling.npy", "fifo", "link.npy", "target.npy"}));
+}
+
+TEST(NpyWrite, DirectoriesAndMissingDirectoriesAreReported) {
+  const temp_dir dir;
+  try {
+    npy::write(dir.file(""), make_array(dtype::f32, {2}));
+    ADD_FAILURE() << "expected npy::error";
+  } catch (const npy::error& e) {
+    EXPECT_NE(std::string(e.what()).find("directory"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(dfss::files::check_writable(dir.file("")), dfss::files::write_error);
+  EXPECT_THROW(dfss::files::check_writable(dir.file("no/such.npy")), dfss::files::write_error);
+  EXPECT_NO_THROW(dfss::files::check_writable(dir.file("fresh.npy")));
+  EXPECT_NO_THROW(dfss::files::check_writable("/dev/null"));
+  npy::write(dir.file("plain"), make_array(dtype::u8, {1}));
+  try {
+    dfss::files::check_writable(dir.file("plain/x.npy"));
+    ADD_FAILURE() << "expected write_error";
+  } catch (const dfss::files::write_error& e) {
+    EXPECT_NE(std::string(e.what()).find(std::strerror(ENOTDIR)), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(dir.entries(), std::vector<std::string>{"plain"});
+}
+
+TEST(NpyWrite, TransactionReplacesAllOrNothing) {
+  const temp_dir dir;
+  const std::string a = dir.file("a.npy"), b = dir.file("b.npy");
+  npy::write(a, make_array(dtype::f32, {1}));
+  const bytes_t old_a = file_bytes(a);
+  {
+    dfss::files::transaction t;
+    npy::stage(t, a, make_array(dtype::f32, {2}));
+    EXPECT_EQ(file_bytes(a), old_a) << "staging must not replace the file";
+    EXPECT_THROW(npy::stage(t, dir.file("missing/b.npy"), make_array(dtype::f32, {2})), npy::error);
+  }  // not committed
+  EXPECT_EQ(file_bytes(a), old_a);
+  EXPECT_EQ(dir.entries(), std::vector<std::string>{"a.npy"});
+
+  dfss::files::transaction t;
+  npy::stage(t, a, make_array(dtype::f32, {2}));
+  npy::stage(t, b, make_array(dtype::i64, {3}));
+  t.commit();
+  expect_same(npy::read(a), make_array(dtype::f32, {2}));
+  expect_same(npy::read(b), make_array(dtype::i64, {3}));
+  EXPECT_EQ(dir.entries(), (std::vector<std::string>{"a.npy", "b.npy"}));
+}
+
+TEST(NpyFiles, SameFileSeesThroughSpellingsLinksAndHardLinks) {
+  namespace fs = std::filesystem;
+  using dfss::files::identify;
+  using dfss::files::same_file;
+  const temp_dir dir;
+  const std::string a = dir.file("a.npy");
+  npy::write(a, make_array(dtype::u8, {1}));
+  fs::create_directory(dir.file("sub"));
+  fs::create_symlink("a.npy", dir.file("sym.npy"));
+  fs::create_hard_link(a, dir.file("hard.npy"));
+  fs::create_directory_symlink("sub", dir.file("subl"));
+  for (const std::string& alias : {dir.file("./a.npy"), dir.file("sub/../a.npy"), dir.file("sym.npy"),
+                                   dir.file("hard.npy")}) {
+    EXPECT_TRUE(same_file(identify(a), identify(alias))) << alias;
+  }
+  // Files that do not exist yet: compared by their resolved paths.
+  EXPECT_TRUE(same_file(identify(dir.file("sub/new.npy")), identify(dir.file("subl/new.npy"))));
+  EXPECT_TRUE(same_file(identify(dir.file("sub/new.npy")), identify(dir.file("sub/../sub/./new.npy"))));
+  fs::create_symlink("sub/new.npy", dir.file("to_new.npy"));  // dangling
+  EXPECT_TRUE(same_file(identify(dir.file("to_new.npy")), identify(dir.file("sub/new.npy"))));
+  EXPECT_FALSE(same_file(identify(dir.file("sub/new.npy")), identify(dir.file("sub/other.npy"))));
+  EXPECT_FALSE(same_file(identify(a), identify(dir.file("sub/a.npy"))));
+  npy::write(dir.file("b.npy"), make_array(dtype::u8, {1}));
+  EXPECT_FALSE(same_file(identify(a), identify(dir.file("b.npy"))));
 }
 
 }  // namespace

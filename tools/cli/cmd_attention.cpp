@@ -2,13 +2,17 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <iostream>
-#include <optional>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cli/commands.hpp"
+#include "cli/output_paths.hpp"
 #include "dfss/dfss.hpp"
+#include "npy/files.hpp"
 #include "npy/npy.hpp"
 #include "cli/npy_view.hpp"
 
@@ -26,26 +30,49 @@ std::string shape_str(const std::vector<std::int64_t>& s) {
   return out + "]";
 }
 
+/// Reads an .npy input; its errors are prefixed with the flag that named it.
+npy::array load(const flagged_path& in) {
+  try {
+    return npy::read(in.path);
+  } catch (const npy::error& e) {
+    throw bad_input(in.flag + ": " + e.what());
+  }
+}
+
 /// Loads an attention operand: float64, float32 or float16, shaped [B, L, H, d].
-npy::array load_operand(const std::string& path, const char* flag) {
-  npy::array a = npy::read(path);
+npy::array load_operand(const flagged_path& in) {
+  npy::array a = load(in);
   if (a.type != dtype::f64 && a.type != dtype::f32 && a.type != dtype::f16) {
-    throw bad_input(std::string(flag) + " " + path + ": expected float64, float32 or float16 data, got " +
-                    dtype_name(a.type));
+    throw bad_input(in.str() + ": expected float64, float32 or float16 data, got " + dtype_name(a.type));
   }
   if (a.shape.size() != 4) {
-    throw bad_input(std::string(flag) + " " + path + ": expected shape [B, L, H, d] (4 dimensions), got " +
-                    shape_str(a.shape));
+    throw bad_input(in.str() + ": expected shape [B, L, H, d] (4 dimensions), got " + shape_str(a.shape));
   }
   return a;
 }
 
-/// An output buffer: zero-filled bytes of the requested type and shape.
-npy::array make_output(dtype type, std::vector<std::int64_t> shape) {
+/// A zero-filled output buffer for @p dest. Its byte count is computed with overflow checks, and a
+/// failed allocation is reported naming the flag and the byte count.
+npy::array make_output(const flagged_path& dest, dtype type, std::vector<std::int64_t> shape) {
+  const std::string what = "the output " + shape_str(shape) + " " + dtype_name(type);
+  std::size_t bytes = npy::item_size(type);
+  for (const std::int64_t dim : shape) {
+    if (__builtin_mul_overflow(bytes, static_cast<std::size_t>(dim), &bytes)) {
+      throw bad_input(dest.str() + ": cannot allocate " + what + ": its byte count overflows 64 bits");
+    }
+  }
   npy::array a;
   a.type = type;
   a.shape = std::move(shape);
-  a.bytes.assign(static_cast<std::size_t>(a.numel()) * npy::item_size(type), 0);
+  try {
+    a.bytes.assign(bytes, 0);
+  } catch (const std::bad_alloc&) {
+    throw bad_input(dest.str() + ": cannot allocate " + std::to_string(bytes) + " bytes for " + what +
+                    ": out of memory");
+  } catch (const std::length_error&) {
+    throw bad_input(dest.str() + ": cannot allocate " + std::to_string(bytes) + " bytes for " + what +
+                    ": more than a vector can hold");
+  }
   return a;
 }
 
@@ -58,6 +85,14 @@ int fail(const std::string& message) {
 
 void add_attention_command(CLI::App& app, attention_options& o) {
   CLI::App* c = app.add_subcommand("attention", "Compute DFSS attention on .npy files");
+  c->footer(
+      "Files: every input is loaded and checked, and the forward and backward passes run, before any output is "
+      "written; then all outputs are replaced together, each atomically (a temporary file in its directory, "
+      "renamed over it; the old file's mode is kept), so a failure leaves every old output as it was. An output "
+      "may not name an input or another output (also through ./, .., symlinks or hard links); /dev/null and "
+      "other devices and FIFOs are written in place and may take several outputs. Inputs may be pipes "
+      "(e.g. /dev/stdin): read as far as the .npy header says, trailing bytes are an error. Exit codes: 0 ok, "
+      "2 bad input or an output that cannot be written, 1 internal error.");
   c->add_option("--q", o.q, "queries [B, Lq, H, d] (float64, float32 or float16)")->required();
   c->add_option("--k", o.k, "keys [B, Lk, Hkv, d], same type as --q")->required();
   c->add_option("--v", o.v, "values [B, Lk, Hkv, d], same type as --q")->required();
@@ -111,109 +146,202 @@ int run_attention(const attention_options& o) {
     }
     if (!o.dbias.empty() && o.bias.empty()) return fail("--dbias needs --bias");
 
-    npy::array q = load_operand(o.q, "--q");
-    npy::array k = load_operand(o.k, "--k");
-    npy::array v = load_operand(o.v, "--v");
+    // Every file read and written. Nothing is written before every input is loaded and checked and
+    // the forward and backward passes have succeeded; then all outputs are replaced together.
+    const flagged_path q_in{"--q", o.q}, k_in{"--k", o.k}, v_in{"--v", o.v}, lens_in{"--key-lengths", o.key_lengths},
+        bias_in{"--bias", o.bias}, dout_in{"--dout", o.dout};
+    const flagged_path out_at{"--out", o.out}, lse_at{"--lse", o.lse}, dq_at{"--dq", o.dq}, dk_at{"--dk", o.dk},
+        dv_at{"--dv", o.dv}, dbias_at{"--dbias", o.dbias},
+        values_at{"--save-compressed", o.save_compressed + ".values.npy"},
+        indices_at{"--save-compressed", o.save_compressed + ".indices.npy"},
+        meta_at{"--save-compressed", o.save_compressed + ".meta.npy"};
+    const bool hw_pattern = (cfg.pattern.n == 1 && cfg.pattern.m == 2) || (cfg.pattern.n == 2 && cfg.pattern.m == 4);
+    std::vector<flagged_path> inputs{q_in, k_in, v_in}, outputs{out_at};
+    if (!o.key_lengths.empty()) inputs.push_back(lens_in);
+    if (!o.bias.empty()) inputs.push_back(bias_in);
+    if (backward) inputs.push_back(dout_in);
+    if (!o.lse.empty()) outputs.push_back(lse_at);
+    if (save_compressed) {
+      outputs.push_back(values_at);
+      outputs.push_back(indices_at);
+      if (hw_pattern) outputs.push_back(meta_at);
+    }
+    if (backward) {
+      for (const flagged_path& g : {dq_at, dk_at, dv_at}) outputs.push_back(g);
+      if (!o.dbias.empty()) outputs.push_back(dbias_at);
+    }
+    if (const std::string problem = output_path_problem(inputs, outputs); !problem.empty()) return fail(problem);
+
+    // Inputs, checked against each other before any output is allocated, so that no output is
+    // larger than the inputs it comes from (with d >= 1, LSE [B, H, Lq] is at most Q's size).
+    npy::array q = load_operand(q_in);
+    npy::array k = load_operand(k_in);
+    npy::array v = load_operand(v_in);
     if (k.type != q.type || v.type != q.type) {
       return fail(std::string("--k and --v must have the type of --q (") + dtype_name(q.type) + "), got " +
                   dtype_name(k.type) + " and " + dtype_name(v.type));
     }
-    const dtype out_type = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
-    const auto B = q.shape[0], Lq = q.shape[1], H = q.shape[2];
+    const std::int64_t B = q.shape[0], Lq = q.shape[1], H = q.shape[2], d = q.shape[3];
+    const std::int64_t Lk = k.shape[1], Hkv = k.shape[2];
+    if (d == 0) {
+      return fail(q_in.str() + ": expected shape [B, Lq, H, d] with head_dim d = shape[3] >= 1, got " +
+                  shape_str(q.shape));
+    }
+    if (k.shape[0] != B) {
+      return fail(k_in.str() + ": expected shape[0] (batch) " + std::to_string(B) + " as in --q, got shape " +
+                  shape_str(k.shape));
+    }
+    if (k.shape[3] != d) {
+      return fail(k_in.str() + ": expected shape[3] (head_dim) " + std::to_string(d) + " as in --q, got shape " +
+                  shape_str(k.shape));
+    }
+    if (Hkv == 0 ? H != 0 : H % Hkv != 0) {
+      return fail(k_in.str() + ": expected shape[2] (heads_kv) to divide the " + std::to_string(H) +
+                  " heads of --q, got shape " + shape_str(k.shape));
+    }
+    if (v.shape != k.shape) {
+      return fail(v_in.str() + ": expected the shape of --k " + shape_str(k.shape) + ", got " + shape_str(v.shape));
+    }
 
-    forward_args fa;
-    fa.q = view_of(q);
-    fa.k = view_of(k);
-    fa.v = view_of(v);
-    npy::array out = make_output(out_type, q.shape);
-    fa.out = view_of(out);
-    npy::array lse = make_output(out_type, {B, H, Lq});
-    if (!o.lse.empty()) fa.lse = view_of(lse);
-
-    npy::array lens, bias;
+    npy::array lens, bias, dout;
     std::vector<std::int64_t> bias_file_shape;
     if (!o.key_lengths.empty()) {
-      lens = npy::read(o.key_lengths);
+      lens = load(lens_in);
       if (lens.type != dtype::i32 && lens.type != dtype::i64) {
-        return fail("--key-lengths " + o.key_lengths + ": expected int32 or int64 data, got " + dtype_name(lens.type));
+        return fail(lens_in.str() + ": expected int32 or int64 data, got " + dtype_name(lens.type));
       }
-      fa.key_lengths = view_of(lens);
+      if (lens.shape != std::vector<std::int64_t>{B}) {
+        return fail(lens_in.str() + ": expected shape [B] = [" + std::to_string(B) + "], got " +
+                    shape_str(lens.shape));
+      }
     }
     if (!o.bias.empty()) {
-      bias = npy::read(o.bias);
+      bias = load(bias_in);
       if (bias.shape.size() < 2 || bias.shape.size() > 4) {
-        return fail("--bias " + o.bias + ": expected 2 to 4 dimensions ([.., Lq, Lk]), got " + shape_str(bias.shape));
+        return fail(bias_in.str() + ": expected 2 to 4 dimensions ([.., Lq, Lk]), got " + shape_str(bias.shape));
+      }
+      if (!dtype_is_floating(bias.type)) {
+        return fail(bias_in.str() + ": expected floating-point data, got " + std::string(dtype_name(bias.type)));
       }
       // Leading broadcast dimensions may be omitted, as in NumPy: [Lq, Lk] means [1, 1, Lq, Lk].
       bias_file_shape = bias.shape;
       std::vector<std::int64_t> shape4(4, 1);
       std::copy(bias.shape.begin(), bias.shape.end(), shape4.end() - static_cast<std::ptrdiff_t>(bias.shape.size()));
-      bias.shape = shape4;
-      if (!dtype_is_floating(bias.type)) {
-        return fail("--bias " + o.bias + ": expected floating-point data, got " + std::string(dtype_name(bias.type)));
+      if ((shape4[0] != 1 && shape4[0] != B) || (shape4[1] != 1 && shape4[1] != H) || shape4[2] != Lq ||
+          shape4[3] != Lk) {
+        return fail(bias_in.str() + ": expected shape [B or 1, H or 1, Lq, Lk] = [" + std::to_string(B) + " or 1, " +
+                    std::to_string(H) + " or 1, " + std::to_string(Lq) + ", " + std::to_string(Lk) +
+                    "] (leading dimensions may be omitted), got " + shape_str(bias_file_shape));
       }
-      fa.bias = view_of(bias);
+      bias.shape = shape4;
+    }
+    if (backward) {
+      dout = load_operand(dout_in);
+      if (dout.type != q.type) {
+        return fail(std::string("--dout must have the type of --q (") + dtype_name(q.type) + "), got " + dtype_name(dout.type));
+      }
+      if (dout.shape != q.shape) {
+        return fail(dout_in.str() + ": expected the shape of --q " + shape_str(q.shape) + ", got " +
+                    shape_str(dout.shape));
+      }
     }
 
-    // The three-stage pipeline's compressed scores: [B, H, Lq, ceil(Lk/M) * N] values and indices,
-    // and for the sparse tensor core patterns 1:2 and 2:4 the row-order metadata words.
-    npy::array cvalues, cindices, cmeta;
-    const bool hw_pattern = (cfg.pattern.n == 1 && cfg.pattern.m == 2) || (cfg.pattern.n == 2 && cfg.pattern.m == 4);
+    // Outputs. The compressed scores, [B, H, Lq, ceil(Lk/M) * N] values and indices (and for the
+    // sparse tensor core patterns 1:2 and 2:4 the row-order metadata words), are the one output that
+    // can exceed the inputs: make_output checks their byte count and reports a failed allocation.
+    const dtype out_type = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
+    forward_args fa;
+    fa.q = view_of(q);
+    fa.k = view_of(k);
+    fa.v = view_of(v);
+    if (!o.key_lengths.empty()) fa.key_lengths = view_of(lens);
+    if (!o.bias.empty()) fa.bias = view_of(bias);
+    npy::array out = make_output(out_at, out_type, q.shape);
+    fa.out = view_of(out);
+    npy::array lse, cvalues, cindices, cmeta;
+    if (!o.lse.empty()) {
+      lse = make_output(lse_at, out_type, {B, H, Lq});
+      fa.lse = view_of(lse);
+    }
     if (save_compressed) {
-      const auto Lk = k.shape[1];
       const std::int64_t slots = (Lk + cfg.pattern.m - 1) / cfg.pattern.m * cfg.pattern.n;
-      cvalues = make_output(dtype::f32, {B, H, Lq, slots});
-      cindices = make_output(dtype::i32, {B, H, Lq, slots});
+      cvalues = make_output(values_at, dtype::f32, {B, H, Lq, slots});
+      cindices = make_output(indices_at, dtype::i32, {B, H, Lq, slots});
       fa.compressed_values = view_of(cvalues);
       fa.compressed_indices = view_of(cindices);
       if (hw_pattern) {
-        cmeta = make_output(dtype::u16, {B, H, Lq, (Lk + 15) / 16});
+        cmeta = make_output(meta_at, dtype::u16, {B, H, Lq, (Lk + 15) / 16});
         fa.compressed_meta = view_of(cmeta);
       }
-      const kernel_selection sel = select_kernel(fa, cfg);
-      if (sel.kind != kernel_kind::cpu_three_stage_forward) {
-        return fail("--save-compressed needs the cpu three-stage kernel, but this call would run " +
-                    (sel.supported() ? sel.name : "nothing (" + sel.reason + ")") +
-                    (q.type == dtype::f64 ? " (the cpu backend takes float32 and float16 inputs, not float64)" : ""));
+    }
+    backward_args ba;
+    npy::array dq, dk, dv, dbias;
+    if (backward) {
+      ba.q = fa.q, ba.k = fa.k, ba.v = fa.v, ba.bias = fa.bias, ba.key_lengths = fa.key_lengths;
+      ba.out = fa.out;
+      ba.dout = view_of(dout);
+      dq = make_output(dq_at, out_type, q.shape);
+      dk = make_output(dk_at, out_type, k.shape);
+      dv = make_output(dv_at, out_type, v.shape);
+      ba.dq = view_of(dq), ba.dk = view_of(dk), ba.dv = view_of(dv);
+      if (!o.dbias.empty()) {
+        dbias = make_output(dbias_at, bias.type, bias.shape);
+        ba.dbias = view_of(dbias);
+      }
+    }
+
+    // The library validates both passes (without computing) before the forward runs, so that a
+    // backward the library rejects costs no forward pass.
+    const std::string cannot_run = "--backend " + o.backend + ": expected a backend that can run ";
+    const kernel_selection forward_kernel = select_kernel(fa, cfg);
+    if (save_compressed && forward_kernel.kind != kernel_kind::cpu_three_stage_forward) {
+      return fail("--save-compressed needs the cpu three-stage kernel, but this call would run " +
+                  (forward_kernel.supported() ? forward_kernel.name : "nothing (" + forward_kernel.reason + ")") +
+                  (q.type == dtype::f64 ? " (the cpu backend takes float32 and float16 inputs, not float64)" : ""));
+    }
+    if (!forward_kernel.supported()) {
+      return fail(cannot_run + "this call, got backend '" + backend_name(forward_kernel.backend) +
+                  "': " + forward_kernel.reason);
+    }
+    if (backward) {
+      const kernel_selection backward_kernel = select_kernel(ba, cfg);
+      if (!backward_kernel.supported()) {
+        return fail(cannot_run + "the backward pass (--dout), got backend '" +
+                    backend_name(backward_kernel.backend) + "': " + backward_kernel.reason);
       }
     }
 
     attention_forward(fa, cfg);
-    npy::write(o.out, out);
-    if (!o.lse.empty()) npy::write(o.lse, lse);
-    if (save_compressed) {
-      npy::write(o.save_compressed + ".values.npy", cvalues);
-      npy::write(o.save_compressed + ".indices.npy", cindices);
-      if (hw_pattern) npy::write(o.save_compressed + ".meta.npy", cmeta);
-    }
+    if (backward) attention_backward(ba, cfg);
 
+    files::transaction outputs_written;
+    auto stage = [&outputs_written](const flagged_path& dest, const npy::array& a) {
+      try {
+        npy::stage(outputs_written, dest.path, a);
+      } catch (const npy::error& e) {
+        throw bad_input(dest.flag + ": " + e.what() + " (no output file was replaced)");
+      }
+    };
+    stage(out_at, out);
+    if (!o.lse.empty()) stage(lse_at, lse);
+    if (save_compressed) {
+      stage(values_at, cvalues);
+      stage(indices_at, cindices);
+      if (hw_pattern) stage(meta_at, cmeta);
+    }
     if (backward) {
-      npy::array dout = load_operand(o.dout, "--dout");
-      if (dout.type != q.type) {
-        return fail(std::string("--dout must have the type of --q (") + dtype_name(q.type) + "), got " + dtype_name(dout.type));
-      }
-      backward_args ba;
-      ba.q = fa.q, ba.k = fa.k, ba.v = fa.v, ba.bias = fa.bias, ba.key_lengths = fa.key_lengths;
-      ba.out = fa.out;
-      ba.dout = view_of(dout);
-      npy::array dq = make_output(out_type, q.shape), dk = make_output(out_type, k.shape),
-                 dv = make_output(out_type, v.shape);
-      ba.dq = view_of(dq), ba.dk = view_of(dk), ba.dv = view_of(dv);
-      npy::array dbias;
-      if (!o.dbias.empty()) {
-        dbias = make_output(bias.type, bias.shape);
-        ba.dbias = view_of(dbias);
-      }
-      attention_backward(ba, cfg);
-      npy::write(o.dq, dq);
-      npy::write(o.dk, dk);
-      npy::write(o.dv, dv);
+      stage(dq_at, dq);
+      stage(dk_at, dk);
+      stage(dv_at, dv);
       if (!o.dbias.empty()) {
         dbias.shape = bias_file_shape;  // written in the shape the bias was given in
-        npy::write(o.dbias, dbias);
+        stage(dbias_at, dbias);
       }
     }
+    outputs_written.commit();
     return kExitOk;
+  } catch (const files::write_error& e) {
+    return fail(std::string("cannot replace the outputs: ") + e.what());
   } catch (const npy::error& e) {
     return fail(e.what());
   } catch (const bad_input& e) {

@@ -54,6 +54,7 @@
 #include "cli/commands.hpp"
 #include "dfss/build_info.hpp"
 #include "dfss/dfss.hpp"
+#include "npy/files.hpp"
 
 #ifndef DFSS_BENCH_SCRIPT_DIR
 #define DFSS_BENCH_SCRIPT_DIR ""
@@ -887,9 +888,6 @@ void print_table(const std::vector<row>& rows) {
 void write_json(const std::string& path, const std::vector<row>& rows, const sgemm_result& sg,
                 const build_info& info, const std::string& cpu, const std::string& date,
                 const std::string& commit, const std::vector<std::string>& notes) {
-  std::ofstream f(path);
-  if (!f)
-    throw error(status_code::invalid_argument, "dfss bench: argument '--json': cannot write '" + path + "'");
   json j;
   j["tool"] = "dfss bench";
   j["mode"] = g_opt.backward ? "backward" : "forward";
@@ -932,7 +930,12 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
                          {"speedup_vs_dense_fused", r.speedup}, {"max_err", r.max_err}});
   }
   // Non-finite numbers (a row without an error estimate) are written as null.
-  f << j.dump(2) << "\n";
+  const std::string text = j.dump(2) + "\n";
+  try {
+    files::replace(path, {files::piece(reinterpret_cast<const unsigned char*>(text.data()), text.size())});
+  } catch (const files::write_error& e) {
+    throw error(status_code::invalid_argument, "dfss bench: --json " + path + ": " + e.what());
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1137,6 +1140,14 @@ int run_bench() {
     for (const auto& a : o.algorithms) parse_cpu_algorithm_arg(a);
     for (const auto& i : o.isas) parse_cpu_isa_arg(i);
     if (o.threads == 0) o.threads = omp_get_num_procs();
+    if (!o.json.empty()) {
+      try {
+        files::check_writable(o.json);  // before minutes of measuring; written atomically at the end
+      } catch (const files::write_error& e) {
+        std::fprintf(stderr, "dfss bench: --json %s: %s\n", o.json.c_str(), e.what());
+        return kExitBadInput;
+      }
+    }
 
     if (o.memory_child > 0) return run_memory_child();
     if (o.memory) return run_memory();

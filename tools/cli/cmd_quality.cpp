@@ -20,7 +20,6 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <sstream>
@@ -29,7 +28,9 @@
 #include <vector>
 
 #include "cli/commands.hpp"
+#include "cli/output_paths.hpp"
 #include "dfss/dfss.hpp"
+#include "npy/files.hpp"
 #include "npy/npy.hpp"
 #include "cli/npy_view.hpp"
 #include "quality/quality.hpp"
@@ -193,11 +194,12 @@ int run_quality(const quality_options& o) {
     std::vector<ql::method> methods;
     for (const auto& m : o.methods) methods.push_back(ql::parse_method(m, "--methods"));
     if (o.threads < 0) return fail("--threads: expected a count >= 0, got " + std::to_string(o.threads));
-    // Opened before the work, so that an unwritable path is reported at once.
-    std::ofstream json_file;
+    // Checked before the work, so that an unwritable path is reported at once; the file is replaced
+    // (atomically) only when the table is complete.
     if (!o.json.empty()) {
-      json_file.open(o.json);
-      if (!json_file) return fail("--json: cannot write '" + o.json + "'");
+      const std::string problem =
+          output_path_problem({{"--q", o.q}, {"--k", o.k}, {"--v", o.v}}, {{"--json", o.json}});
+      if (!problem.empty()) return fail(problem);
     }
 
     npy::array q = load_operand(o.q, "--q");
@@ -402,9 +404,12 @@ int run_quality(const quality_options& o) {
         }
         j["rows"].push_back(e);
       }
-      json_file << j.dump(2) << "\n";
-      json_file.close();
-      if (!json_file) return fail("--json: cannot write '" + o.json + "'");
+      const std::string text = j.dump(2) + "\n";
+      try {
+        files::replace(o.json, {files::piece(reinterpret_cast<const unsigned char*>(text.data()), text.size())});
+      } catch (const files::write_error& e) {
+        return fail("--json " + o.json + ": " + e.what() + " (the file was not replaced)");
+      }
     }
     return kExitOk;
   } catch (const npy::error& e) {

@@ -6,12 +6,16 @@
 //   dfss bench                benchmark table (dfss patterns vs dense vs PyTorch), --json FILE
 #include <CLI/CLI.hpp>
 
+#include <csignal>
 #include <iostream>
 
 #include "cli/commands.hpp"
 #include "dfss/config.hpp"
 
 int main(int argc, char** argv) {
+  // A write past the file size limit (ulimit -f) then fails with EFBIG instead of killing the
+  // process with SIGXFSZ, so the atomic writer removes its temporary file and the old output stays.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"dfss: dynamic N:M fine-grained structured sparse attention (DFSS)", "dfss"};
   app.set_version_flag("--version", DFSS_VERSION_STRING);
   app.require_subcommand(0, 1);

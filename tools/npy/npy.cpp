@@ -9,12 +9,16 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <stdexcept>
 #include <string_view>
 #include <utility>
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "npy/files.hpp"
 
 namespace dfss::npy {
 namespace {
@@ -393,6 +397,39 @@ class header_parser {
   std::size_t pos_ = 0;
 };
 
+/// "data for shape (2, 3) of '<f4': expected 24 bytes, found <found>".
+std::string data_what(const header& h, std::size_t need, const std::string& found) {
+  return "data for shape " + shape_repr(h.shape) + " of " + quote(h.descr) + ": expected " +
+         std::to_string(need) + " bytes, found " + found;
+}
+
+/// An array of @p h's type and shape with room reserved for @p count bytes of data; running out of
+/// memory is reported as npy::error naming the byte count.
+array allocate(const header& h, std::size_t reserve, const std::string& name) {
+  array a;
+  a.type = h.type;
+  a.shape = h.shape;
+  try {
+    a.bytes.reserve(reserve);
+  } catch (const std::bad_alloc&) {
+    fail(name, "cannot allocate " + std::to_string(reserve) + " bytes for the data of shape " +
+                   shape_repr(h.shape) + ": out of memory");
+  } catch (const std::length_error&) {
+    fail(name, "cannot allocate " + std::to_string(reserve) + " bytes for the data of shape " +
+                   shape_repr(h.shape) + ": more than a vector can hold");
+  }
+  return a;
+}
+
+/// Byte-swaps the elements of big-endian data in place.
+void to_little_endian(array& a, const header& h) {
+  if (!h.swap) return;
+  const std::size_t item = item_size(h.type);
+  for (std::size_t i = 0; i < a.bytes.size(); i += item) {
+    std::reverse(&a.bytes[i], &a.bytes[i] + item);
+  }
+}
+
 /// Decodes an .npy image of @p total bytes read through fetch(offset, destination, count), which
 /// is only ever asked for ranges inside [0, total).
 template <class Fetch>
@@ -404,27 +441,133 @@ array decode(std::uint64_t total, Fetch&& fetch, const std::string& name) {
 
   std::string text(pre.header_length, '\0');
   fetch(pre.header_offset, reinterpret_cast<unsigned char*>(text.data()), text.size());
-  header h = header_parser(text, name).run();
+  const header h = header_parser(text, name).run();
 
-  const std::size_t item = item_size(h.type);
-  const std::size_t need = data_bytes(h.shape, item, name);
+  const std::size_t need = data_bytes(h.shape, item_size(h.type), name);
   const std::size_t offset = pre.header_offset + pre.header_length;
   const std::uint64_t have = total - offset;
-  const std::string what = "data for shape " + shape_repr(h.shape) + " of " + quote(h.descr) +
-                           ": expected " + std::to_string(need) + " bytes, found " +
-                           std::to_string(have);
-  if (have < need) fail(name, "truncated " + what);
-  if (have > need) fail(name, "trailing bytes after the " + what);
+  if (have < need) fail(name, "truncated " + data_what(h, need, std::to_string(have)));
+  if (have > need) fail(name, "trailing bytes after the " + data_what(h, need, std::to_string(have)));
+
+  array a = allocate(h, need, name);
+  a.bytes.resize(need);
+  fetch(offset, a.bytes.data(), need);
+  to_little_endian(a, h);
+  return a;
+}
+
+/// Reads from @p fd (a pipe or character device) until @p out holds @p want bytes or the input
+/// ends; returns whether it got them all. Reads in chunks and grows @p out only by what arrived, so
+/// a header that announces more data than the input holds costs no more memory than the input.
+bool read_up_to(int fd, std::vector<unsigned char>& out, std::size_t want, const std::string& name) {
+  constexpr std::size_t kChunk = std::size_t{1} << 16;  // 64 KiB: the default Linux pipe buffer
+  while (out.size() < want) {
+    const std::size_t old = out.size();
+    const std::size_t step = std::min(want - old, kChunk);
+    try {
+      out.resize(old + step);
+    } catch (const std::bad_alloc&) {
+      fail(name, "cannot allocate " + std::to_string(old + step) + " bytes while reading: out of memory");
+    }
+    ::ssize_t got = 0;
+    do {
+      got = ::read(fd, out.data() + old, step);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) {
+      const int code = errno;
+      out.resize(old);
+      fail(name, std::string("read error: ") + std::strerror(code));
+    }
+    out.resize(old + static_cast<std::size_t>(got));
+    if (got == 0) return false;
+  }
+  return true;
+}
+
+/// Reads an .npy stream of unknown size: the preamble, then the header, then exactly the data
+/// bytes the header announces, then checks that the input ends there. Malformed input fails as soon
+/// as it is seen (/dev/zero after 12 bytes), and memory never exceeds what arrived.
+array decode_stream(int fd, const std::string& name) {
+  std::vector<unsigned char> head;
+  if (!read_up_to(fd, head, kMaxPreamble, name)) return parse(head.data(), head.size(), name);
+  // The stream's length is unknown: the preamble's own checks run against "no end", the header and
+  // data lengths below against what actually arrives.
+  const preamble pre =
+      decode_preamble(head.data(), head.size(), std::numeric_limits<std::uint64_t>::max(), name);
+  const std::size_t offset = pre.header_offset + pre.header_length;
+  if (!read_up_to(fd, head, offset, name)) return parse(head.data(), head.size(), name);
+  const std::string text(reinterpret_cast<const char*>(head.data()) + pre.header_offset,
+                         pre.header_length);
+  const header h = header_parser(text, name).run();
+  const std::size_t need = data_bytes(h.shape, item_size(h.type), name);
 
   array a;
   a.type = h.type;
-  a.shape = std::move(h.shape);
-  a.bytes.resize(need);
-  fetch(offset, a.bytes.data(), need);
-  if (h.swap) {
-    for (std::size_t i = 0; i < need; i += item) std::reverse(&a.bytes[i], &a.bytes[i] + item);
+  a.shape = h.shape;
+  // offset <= head.size(); bytes past the header (read with the preamble, possible only for a
+  // header shorter than 2 bytes, which the parser has rejected) would be the start of the data.
+  a.bytes.assign(head.begin() + static_cast<std::ptrdiff_t>(offset), head.end());
+  if (!read_up_to(fd, a.bytes, need, name)) {
+    fail(name, "truncated " + data_what(h, need, std::to_string(a.bytes.size())));
   }
+  std::vector<unsigned char> probe;
+  if (read_up_to(fd, probe, 1, name)) {
+    fail(name, "trailing bytes after the " + data_what(h, need, "more (the input continues)"));
+  }
+  to_little_endian(a, h);
   return a;
+}
+
+/// The header numpy.save writes for @p type and @p shape: magic, version, length, the dict padded
+/// with spaces and a final '\n' so that the data starts at a multiple of 64 bytes.
+std::string encode_header(dfss::dtype type, const std::vector<std::int64_t>& shape) {
+  std::string dict = "{'descr': '" + descr(type) + "', 'fortran_order': False, 'shape': " +
+                     shape_repr(shape) + ", }";
+  if (!shape.empty()) dict.append(kGrowthDigits - std::to_string(shape[0]).size(), ' ');
+
+  // numpy.lib.format._wrap_header: the text, padding spaces and '\n' end on a 64-byte boundary;
+  // version 1.0 unless its 16-bit header length cannot hold the header.
+  const std::size_t text = dict.size() + 1;
+  std::size_t prefix = kMagic.size() + 2 + 2;
+  std::size_t pad = kAlign - (prefix + text) % kAlign;
+  unsigned char major = 1;
+  if (text + pad > 0xffff) {
+    major = 2;
+    prefix = kMagic.size() + 2 + 4;
+    pad = kAlign - (prefix + text) % kAlign;
+  }
+  const std::size_t length = text + pad;
+
+  std::string head(reinterpret_cast<const char*>(kMagic.data()), kMagic.size());
+  head += static_cast<char>(major);
+  head += '\0';
+  for (std::size_t i = 0; i < prefix - 8; ++i) {
+    head += static_cast<char>((length >> (8 * i)) & 0xff);
+  }
+  head += dict;
+  head.append(pad, ' ');
+  head += '\n';
+  return head;
+}
+
+/// Checks that @p size bytes hold @p shape of @p type and returns the header to write before them.
+std::string checked_header(dfss::dtype type, const std::vector<std::int64_t>& shape, std::size_t size,
+                           const std::string& name) {
+  descr(type);  // throws for bf16 and values outside the enumeration
+  if (shape.size() > max_dims) {
+    fail(name, "cannot write: expected at most " + std::to_string(max_dims) +
+                   " dimensions, found " + std::to_string(shape.size()));
+  }
+  const std::size_t need = data_bytes(shape, item_size(type), name);
+  if (size != need) {
+    fail(name, "cannot write: shape " + shape_repr(shape) + " of " + type_name(type) + " needs " +
+                   std::to_string(need) + " bytes, but the array holds " + std::to_string(size));
+  }
+  return encode_header(type, shape);
+}
+
+files::piece as_piece(const std::string& text) {
+  return {reinterpret_cast<const unsigned char*>(text.data()), text.size()};
 }
 
 /// Closes a POSIX file descriptor on scope exit.
@@ -538,85 +681,39 @@ array read(const std::string& path) {
         },
         path);
   }
-  // A pipe or character device: its size is unknown, so read it to the end and parse the copy.
-  std::vector<unsigned char> buffer;
-  std::array<unsigned char, 1 << 16> chunk{};
-  for (;;) {
-    const ::ssize_t got = ::read(fd.get(), chunk.data(), chunk.size());
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) fail(path, "read error: " + errno_text(errno));
-    if (got == 0) break;
-    buffer.insert(buffer.end(), chunk.data(), chunk.data() + got);
-  }
-  return parse(buffer.data(), buffer.size(), path);
+  // A pipe or character device: its size is unknown, so it is read as far as its header says.
+  return decode_stream(fd.get(), path);
 }
 
 std::vector<unsigned char> serialize(const array& a, const std::string& name) {
-  const std::string type_descr = descr(a.type);
-  if (a.shape.size() > max_dims) {
-    fail(name, "cannot write: expected at most " + std::to_string(max_dims) +
-                   " dimensions, found " + std::to_string(a.shape.size()));
-  }
-  const std::size_t need = data_bytes(a.shape, a.item_size(), name);
-  if (a.bytes.size() != need) {
-    fail(name, "cannot write: shape " + shape_repr(a.shape) + " of " + type_name(a.type) +
-                   " needs " + std::to_string(need) + " bytes, but the array holds " +
-                   std::to_string(a.bytes.size()));
-  }
-
-  std::string dict = "{'descr': '" + type_descr + "', 'fortran_order': False, 'shape': " +
-                     shape_repr(a.shape) + ", }";
-  if (!a.shape.empty()) dict.append(kGrowthDigits - std::to_string(a.shape[0]).size(), ' ');
-
-  // numpy.lib.format._wrap_header: the text, padding spaces and '\n' end on a 64-byte boundary;
-  // version 1.0 unless its 16-bit header length cannot hold the header.
-  const std::size_t text = dict.size() + 1;
-  std::size_t prefix = kMagic.size() + 2 + 2;
-  std::size_t pad = kAlign - (prefix + text) % kAlign;
-  unsigned char major = 1;
-  if (text + pad > 0xffff) {
-    major = 2;
-    prefix = kMagic.size() + 2 + 4;
-    pad = kAlign - (prefix + text) % kAlign;
-  }
-  const std::size_t length = text + pad;
-
-  std::string head(reinterpret_cast<const char*>(kMagic.data()), kMagic.size());
-  head += static_cast<char>(major);
-  head += '\0';
-  for (std::size_t i = 0; i < prefix - 8; ++i) {
-    head += static_cast<char>((length >> (8 * i)) & 0xff);
-  }
-  head += dict;
-  head.append(pad, ' ');
-  head += '\n';
-
-  std::vector<unsigned char> out(head.size() + need);
+  const std::string head = checked_header(a.type, a.shape, a.bytes.size(), name);
+  std::vector<unsigned char> out(head.size() + a.bytes.size());
   std::copy(head.begin(), head.end(), out.begin());
   std::copy(a.bytes.begin(), a.bytes.end(), out.begin() + static_cast<std::ptrdiff_t>(head.size()));
   return out;
 }
 
-void write(const std::string& path, const array& a) {
-  const std::vector<unsigned char> image = serialize(a, path);
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) fail(path, "cannot open for writing: " + errno_text(errno));
-  const std::size_t written = std::fwrite(image.data(), 1, image.size(), f);
-  const int write_errno = errno;
-  const bool short_write = written != image.size();
-  const int closed = std::fclose(f);
-  if (short_write) {
-    fail(path, "write error after " + std::to_string(written) + " of " +
-                   std::to_string(image.size()) + " bytes: " + errno_text(write_errno));
+void stage(files::transaction& t, const std::string& path, const array& a) {
+  const std::string head = checked_header(a.type, a.shape, a.bytes.size(), path);
+  try {
+    t.stage(path, {as_piece(head), files::piece(a.bytes)});
+  } catch (const files::write_error& e) {
+    fail(path, e.what());
   }
-  if (closed != 0) fail(path, "write error on close: " + errno_text(errno));
+}
+
+void write(const std::string& path, const array& a) {
+  files::transaction t;
+  stage(t, path, a);
+  try {
+    t.commit();
+  } catch (const files::write_error& e) {
+    fail(path, e.what());
+  }
 }
 
 void write(const std::string& path, dfss::dtype type, const std::vector<std::int64_t>& shape,
            const void* data) {
-  array a;
-  a.type = type;
-  a.shape = shape;
   const std::string type_descr = descr(type);
   if (shape.size() > max_dims) {
     fail(path, "cannot write: expected at most " + std::to_string(max_dims) +
@@ -627,9 +724,12 @@ void write(const std::string& path, dfss::dtype type, const std::vector<std::int
     fail(path, "cannot write: expected data for shape " + shape_repr(shape) + " of " +
                    type_descr + ", found a null pointer");
   }
-  const auto* begin = static_cast<const unsigned char*>(data);
-  if (need != 0) a.bytes.assign(begin, begin + need);
-  write(path, a);
+  const std::string head = checked_header(type, shape, need, path);
+  try {
+    files::replace(path, {as_piece(head), files::piece(static_cast<const unsigned char*>(data), need)});
+  } catch (const files::write_error& e) {
+    fail(path, e.what());
+  }
 }
 
 }  // namespace dfss::npy

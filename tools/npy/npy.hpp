@@ -11,6 +11,7 @@
 // Every malformed, truncated or inconsistent input raises dfss::npy::error with a message naming
 // the file, what was expected and what was found; the reader never reads out of bounds and never
 // allocates memory for data before it has checked that the input really holds that much data.
+// Writes replace files atomically (npy/files.hpp).
 // The writer produces byte-for-byte the files numpy.save writes: version 1.0 (2.0 only when the
 // header does not fit a 16-bit length), the header padded with spaces and a final '\n' so that the
 // data starts at a multiple of 64 bytes. bf16 has no NumPy type and cannot be written.
@@ -24,6 +25,10 @@
 #include <vector>
 
 #include "dfss/types.hpp"
+
+namespace dfss::files {
+class transaction;
+}
 
 namespace dfss::npy {
 
@@ -88,15 +93,25 @@ struct array {
 /// @brief Parses an in-memory .npy image of @p size bytes; @p name is used in error messages.
 array parse(const unsigned char* data, std::size_t size, const std::string& name);
 
-/// @brief Reads the .npy file at @p path (a regular file, or a pipe read to its end).
+/// @brief Reads the .npy file at @p path. A regular file is checked against its size before any
+/// data is read or allocated; a pipe or character device is read incrementally: the header first,
+/// then exactly the data bytes it announces, and the input must end there (trailing bytes are an
+/// error, as for files). Running out of memory for the data raises npy::error with the byte count.
 array read(const std::string& path);
 
 /// @brief The complete .npy image (header and data) that write() stores for @p a.
 /// @p name is used in error messages. Throws npy::error when @p a is inconsistent.
 std::vector<unsigned char> serialize(const array& a, const std::string& name = "<memory>");
 
-/// @brief Writes @p a to @p path, replacing any existing file.
+/// @brief Writes @p a to @p path, atomically replacing any existing regular file (a temporary file
+/// in the same directory, renamed over it; see npy/files.hpp): if the write fails, the old file is
+/// left byte for byte as it was and no temporary file remains. /dev/null, FIFOs and other
+/// non-regular targets are written in place.
 void write(const std::string& path, const array& a);
+
+/// @brief Stages @p a for @p path in @p t (written when @p t commits; see npy/files.hpp), so that
+/// several outputs are replaced together or not at all. Errors are raised as npy::error.
+void stage(files::transaction& t, const std::string& path, const array& a);
 
 /// @brief Writes numel(@p shape) elements of @p type from @p data (C order, little-endian) to
 /// @p path. @p data may be null only when the shape has no elements.

@@ -36,6 +36,11 @@ cpu_algorithm parse_cpu_algorithm(std::string_view text, std::string_view argume
 /// @p argument otherwise.
 cpu_isa parse_cpu_isa(std::string_view text, std::string_view argument = "cpu_isa");
 
+/// @brief Largest attention_config::num_threads. OpenMP runtimes fail badly rather than cleanly on
+/// absurd team sizes (libgomp segfaults creating 100000 threads); 1024 is above every core count a
+/// single process sees today and bounds the per-thread scratch the kernels allocate.
+inline constexpr int kMaxThreads = 1024;
+
 /// @brief What to compute and where. Defaults: 2:4, scale 1/sqrt(d), no causal mask, automatic
 /// backend, all hardware threads.
 struct attention_config {
@@ -45,7 +50,7 @@ struct attention_config {
   /// Bottom-right aligned causal mask (FlashAttention >= 2.1 convention).
   bool causal = false;
   dfss::backend backend = dfss::backend::automatic;
-  /// Worker threads for CPU backends; 0 means all hardware threads.
+  /// Worker threads for CPU backends; 0 means all hardware threads; at most kMaxThreads.
   int num_threads = 0;
   /// CPU backend: fused single pass (default) or the paper's three-stage pipeline.
   dfss::cpu_algorithm cpu_algorithm = dfss::cpu_algorithm::fused;

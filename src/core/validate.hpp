@@ -13,11 +13,6 @@ namespace dfss::core {
 /// room to spare and bounds the per-row scratch that the fused CPU kernels keep on the stack.
 inline constexpr std::int64_t kMaxHeadDim = 512;
 
-/// Largest worker thread count. OpenMP implementations fail badly rather than cleanly on absurd
-/// team sizes (libgomp segfaults creating 100000 threads); 1024 is above every core count a
-/// single process sees today and bounds the per-thread scratch the kernels allocate.
-inline constexpr int kMaxThreads = 1024;
-
 /// Largest seqlen_q and seqlen_k. The kernels hold key indices (and the three-stage export its
 /// compressed indices) in int32, padded by up to a key tile: 2^31 - 2^16 leaves room for any
 /// tile. Element offsets are int64 everywhere, so only the index width sets this bound.

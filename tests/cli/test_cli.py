@@ -251,6 +251,13 @@ class CliTest(DfssCliCase):
         self.expect_bad_input(self.base_args() + ["--bias", self.save("b.npy", np.zeros((3, 5)))], "--bias", "[3, 5]")
         self.expect_bad_input(self.base_args() + ["--dout", self.save("do.npy", q)], "--dq")
         self.expect_bad_input(self.base_args() + ["--scale", "-2"], "scale")
+        # A thread count beyond the cap used to crash inside the OpenMP runtime, forward and backward.
+        for threads in ("100000", "1025"):
+            self.expect_bad_input(self.base_args() + ["--threads", threads], "num_threads", "[0, 1024]", threads)
+            self.expect_bad_input(self.base_args() + ["--backend", "reference", "--threads", threads], "num_threads")
+        self.expect_bad_input(self.base_args() + ["--dout", self.save("do2.npy", q), "--dq", self.path("dq.npy"),
+                                                  "--dk", self.path("dk.npy"), "--dv", self.path("dv.npy"),
+                                                  "--threads", "100000"], "num_threads")
         self.expect_bad_input(["attention", "--q", "x.npy"], "--k")
 
     def test_info_and_default_job(self):

@@ -213,6 +213,7 @@ class QualityCliTest(DfssCliCase):
         self.expect_bad_input(["quality", "--q", self.save("q3.npy", q[0]), "--k", kp, "--v", vp], "4 dimensions")
         self.expect_bad_input(["quality", "--q", self.save("q0.npy", q[:, :0]), "--k", kp, "--v", vp], "--q", "empty")
         self.expect_bad_input(base + ["--scale", "-2"], "scale")
+        self.expect_bad_input(base + ["--threads", "100000"], "--threads", "[0, 1024]", "100000")
         self.expect_bad_input(base + ["--json", self.path("no/such/dir/out.json")], "--json", "out.json")
         self.expect_bad_input(["quality", "--q", qp], "--k")
 

@@ -193,7 +193,10 @@ int run_quality(const quality_options& o) {
     for (const auto& p : o.patterns) patterns.push_back(pattern::parse(p, "--patterns"));
     std::vector<ql::method> methods;
     for (const auto& m : o.methods) methods.push_back(ql::parse_method(m, "--methods"));
-    if (o.threads < 0) return fail("--threads: expected a count >= 0, got " + std::to_string(o.threads));
+    if (o.threads < 0 || o.threads > kMaxThreads) {
+      return fail("--threads: expected a count in [0, " + std::to_string(kMaxThreads) + "], got " +
+                  std::to_string(o.threads));
+    }
     // Checked before the work, so that an unwritable path is reported at once; the file is replaced
     // (atomically) only when the table is complete.
     if (!o.json.empty()) {

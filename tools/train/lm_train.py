@@ -63,11 +63,11 @@ EPOCH_PRIME = 1_000_003
 DEFAULTS = {"layers": 4, "dim": 256, "heads": 4, "kv_heads": None, "ffn": 1024, "ctx": 1024, "batch": 8,
             "lr": 1e-3, "warmup": 0.05, "min_lr": 0.1, "weight_decay": 0.01, "tie": False, "seed": 0,
             # 128 KiB of validation documents per evaluation during training: about 1/4 of the
-            # validation split (587 KB), some 15 s of forward passes on 2 cores, so that ten
-            # evaluations cost a few percent of the run.
+            # validation split (587 KB), some 15 s of forward passes on 2 idle cores, so that ten
+            # evaluations cost under 10% of the run.
             "val_bytes": 128 * 1024}
-# Bytes of training of a run from scratch: 800 steps of 8 x 1,024 bytes, about 35 min of dense
-# training on 2 cores (docs/accuracy.md: the timing run behind it).
+# Bytes of training of a run from scratch: 800 steps of 8 x 1,024 bytes, about 32-35 min of dense
+# training on an idle 2-core machine with OpenBLAS (docs/accuracy.md: the timing runs behind it).
 DEFAULT_BUDGET = 800 * 8 * 1024
 # --quick (CI): a synthetic corpus of 40 files, a 2-layer width-32 model with grouped-query
 # attention (2 query heads, 1 K/V head), windows of 64 bytes: 20 steps in a few seconds.

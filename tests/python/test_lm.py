@@ -365,3 +365,16 @@ def test_run_lm_sh_quick_chain(tmp_path):
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "dense: done" in r.stdout and (tmp_path / "dense" / "final.pt").stat().st_mtime == mtime
+
+
+def test_tied_output_layer_stays_tied(tmp_path):
+    r = run("train", "--quick", "--quiet", "--threads", "1", "--tie", "--steps", "3", "--out", str(tmp_path / "t"))
+    assert r.returncode == 0, r.stderr
+    ck = torch.load(str(tmp_path / "t" / "final.pt"))
+    assert ck["config"]["tie"] is True
+    model = lm_train.ByteLM(ck["config"])
+    model.load_state_dict(ck["model"])
+    assert model.head.weight is model.embed.weight
+    # Trained: the tied matrix moved away from its initialisation.
+    torch.manual_seed(ck["config"]["seed"])
+    assert not torch.equal(lm_train.ByteLM(ck["config"]).embed.weight, model.embed.weight)

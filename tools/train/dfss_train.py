@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tasks  # noqa: E402
+from common import Progress, save_atomic  # noqa: E402
 
 import dfss  # noqa: E402
 
@@ -128,24 +129,6 @@ def evaluate(model: Encoder, split: tasks.Split, batch: int) -> float:
     return right / len(split.labels)
 
 
-class Progress:
-    """One-line progress bar with ETA and running loss / accuracy (stderr, redrawn in place)."""
-
-    def __init__(self, total: int, quiet: bool):
-        self.total, self.quiet, self.t0 = total, quiet, time.time()
-
-    def update(self, step: int, loss: float, acc: float, extra: str = "") -> None:
-        if self.quiet:
-            return
-        done = step / self.total
-        el = time.time() - self.t0
-        eta = el / max(done, 1e-9) - el
-        bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-        sys.stderr.write(f"\r[{bar}] {step}/{self.total} loss {loss:.3f} acc {acc:.3f} "
-                         f"elapsed {el / 60:.1f} min ETA {eta / 60:.1f} min {extra}   ")
-        sys.stderr.flush()
-
-
 def build(cfg: Dict) -> Encoder:
     # Checkpoints record their vocabulary size (44 before the recall task had its own keys) and
     # whether recall tokens are embedded as key + value slot.
@@ -159,10 +142,8 @@ def data_for(cfg: Dict):
 
 
 def save(path: str, model: Encoder, opt, cfg: Dict, log: Dict, step: int) -> None:
-    tmp = path + ".tmp"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict() if opt else None, "config": cfg,
-                "log": log, "step": step}, tmp)
-    os.replace(tmp, path)  # atomic: an interrupted save never leaves a broken checkpoint
+    save_atomic(path, {"model": model.state_dict(), "opt": opt.state_dict() if opt else None, "config": cfg,
+                       "log": log, "step": step})
 
 
 def cmd_train(args) -> int:
@@ -225,13 +206,12 @@ def cmd_train(args) -> int:
         run_loss = loss.item() if run_loss is None else 0.98 * run_loss + 0.02 * loss.item()
         run_acc = acc if run_acc is None else 0.98 * run_acc + 0.02 * acc
         extra = f"val {log['val'][-1]['acc']:.3f}" if log["val"] else ""
-        prog.update(step, run_loss, run_acc, extra)
+        prog.update(step, f"loss {run_loss:.3f} acc {run_acc:.3f} {extra}")
         if step % args.eval_every == 0 or step == args.steps:
             log["val"].append({"step": step, "acc": evaluate(model, val, args.batch), "loss": run_loss,
                                "seconds": time.time() - t0})
             save(os.path.join(args.out, "last.pt"), model, opt, cfg, log, step)
-    if not args.quiet:
-        sys.stderr.write("\n")
+    prog.close()
     log["train_seconds"] = time.time() - t0
     log["steps_done"] = step
     if stop["now"]:

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -308,6 +309,15 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
     std::ostringstream got;
     got << config.scale;
     c.fail("config.scale", "a finite value >= 0 (0 means 1/sqrt(head_dim))", got.str());
+    return;
+  }
+  if (p.input_type != dtype::f64 && config.scale > static_cast<double>(std::numeric_limits<float>::max())) {
+    // f32, f16 and bf16 inputs are computed in fp32, where such a scale does not exist.
+    std::ostringstream want, got;
+    want << "a value <= " << std::numeric_limits<float>::max() << " (float max) for " << dtype_name(p.input_type)
+         << " inputs, which are computed in fp32";
+    got << config.scale;
+    c.fail("config.scale", want.str(), got.str());
     return;
   }
   p.scale = config.scale > 0.0 ? config.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));

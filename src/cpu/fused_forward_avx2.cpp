@@ -10,13 +10,16 @@
 // Per task and key tile of W keys (W a multiple of 16 and of M, at least 64):
 //   1. S = Q K^T for the task's rows with a 4 x 16 register-blocked micro-kernel. Q is not pre-scaled:
 //      unscaled scores of integer inputs are exact, so selections (ties included) match the reference
-//      exactly; the scale * log2(e) factor is folded into the exp2 argument by an FMA instead.
+//      exactly; the scale enters the exp2 argument as scale (s - max) log2(e) instead, which stays
+//      accurate for scores up to float max (docs/semantics.md, "Non-finite and extreme inputs").
 //   2. Per row: bias, masks (-inf), the row's running maximum (the maximum of a group
 //      is always kept, so the maximum over all scores is the maximum over the kept ones), then the
 //      N:M selection, which also compacts the kept scores and their key indices: 1:2 and 2:4 by
 //      in-register compares, blends and in-lane shuffles, any other N:M through nm_select_group.
 //   3. exp2 of the compacted scores only (half the exponentials for 1:2 and 2:4), and
 //      acc += p * V[index] over the kept keys only, with the accumulator row held in registers.
+// A row with a NaN or +inf score (only possible with a bias or with non-finite or huge inputs,
+// flagged per task while packing) is written as NaN.
 // Dense (N = M) runs the same code with an identity selection, so the sparsity's own speedup is
 // measured against an equally optimised dense kernel.
 #include <omp.h>
@@ -70,13 +73,16 @@ using namespace fused;
 
 
 
-/// 2^x for x <= 0 (scores minus the running maximum). Below -125 the result flushes to 0: the true
-/// value is under 2.4e-38 while the row's largest term is 1. Degree-7 Taylor polynomial of 2^f on
-/// |f| <= 0.5: truncation error 5e-9 relative, below half an fp32 ulp.
+/// 2^x for x <= 127 (a larger x would wrap the exponent field below): the forward's exponents
+/// scale (s - max) log2(e) are <= 0 by construction, the backward clamps its own (exp2_clamped).
+/// Below -125 the result flushes to 0: the true value is under 2.4e-38 while the row's largest term
+/// is 1. A NaN stays NaN: MAXPS returns its second operand when one is NaN, so x goes second.
+/// Degree-7 Taylor polynomial of 2^f on |f| <= 0.5: truncation error 5e-9 relative, below half an
+/// fp32 ulp.
 inline __m256 exp2_avx2(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-125.0f);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
+  x = _mm256_max_ps(lo, x);
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
   __m256 p = _mm256_set1_ps(1.5252734e-05f);
@@ -91,6 +97,11 @@ inline __m256 exp2_avx2(__m256 x) {
   const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
   return _mm256_andnot_ps(under, r);
 }
+
+/// exp2_avx2 for any x: above 127 it saturates at 2^127 (the backward's scale s - LSE exceeds 0 only
+/// by rounding, unless the caller's LSE is not the forward's). MINPS returns its second operand when
+/// one is NaN, so a NaN stays NaN.
+inline __m256 exp2_clamped(__m256 x) { return exp2_avx2(_mm256_min_ps(_mm256_set1_ps(127.0f), x)); }
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -201,7 +212,9 @@ class fused_avx2 {
         w_(key_tile_width(p.pattern_m)),
         lk_pad_((p.seqlen_k + w_ - 1) / w_ * w_),
         zero_row_(static_cast<std::int32_t>(lk_pad_)),
-        c_(static_cast<float>(p.scale) * kLog2e),
+        scale_(static_cast<float>(p.scale)),
+        e1_(std::isfinite(scale_ * kLog2e) ? scale_ * kLog2e : scale_),
+        e2_(std::isfinite(scale_ * kLog2e) ? 1.0f : kLog2e),
         group_(p.heads / p.heads_kv) {}
 
   /// The calling thread's scratch. It lives as long as the thread (OpenMP keeps its threads), so
@@ -239,8 +252,8 @@ class fused_avx2 {
         ws.dout.resize(tile_rows);
         ws.comp_p.resize(compact);
         ws.comp_ds.resize(compact);
-        // One slot per key of the tile plus a spill slot for the generic selection's padding.
-        const auto block = static_cast<std::size_t>((w_ + 1) * kRowsPerTask);
+        // One slot per key of the tile.
+        const auto block = static_cast<std::size_t>(w_ * kRowsPerTask);
         ws.p_keys.resize(block);
         ws.ds_keys.resize(block);
         ws.row_d.resize(kRowsPerTask);
@@ -419,7 +432,9 @@ class fused_avx2 {
   }
 
   /// Row (b, j, h, :) of a [B, L, H, d] tensor as dp floats (zero padded; all zero when !valid).
-  void load_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h,
+  /// Always inlined, as bias_and_mask: GCC 12 stopped inlining both into task() once the exp
+  /// epilogue grew, which cost 1.4% more instructions in the forward (callgrind, L = 1024).
+  [[gnu::always_inline]] void load_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h,
                 bool valid, float* out) const {
     if (!valid) {
       std::memset(out, 0, sizeof(float) * static_cast<std::size_t>(dp_));
@@ -506,7 +521,8 @@ class fused_avx2 {
                                 static_cast<double>(is_nan ? nan : acc[c] * inv));
       }
       if (p_.lse != nullptr) {
-        const float lse = is_nan ? nan : (empty ? -std::numeric_limits<float>::infinity() : (c_ * mx + std::log2(sum)) * kLn2);
+        // scale * max overflows to +-inf exactly where the reference's LSE, rounded to fp32, does.
+        const float lse = is_nan ? nan : (empty ? -std::numeric_limits<float>::infinity() : scale_ * mx + std::log2(sum) * kLn2);
         core::store_from_double(p_.lse, p_.lse_type,
                                 b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2],
                                 static_cast<double>(lse));
@@ -514,8 +530,9 @@ class fused_avx2 {
     }
   }
 
-  /// Adds the bias to the tile row @p s of query qi and sets masked keys (j >= lim) to -inf.
-  void bias_and_mask(float* s, std::int64_t b, std::int64_t h, std::int64_t qi, std::int64_t j0, std::int64_t lim) const {
+  /// Adds the bias to the tile row @p s of query qi and sets masked keys (j >= lim) to -inf (always
+  /// inlined: see load_row).
+  [[gnu::always_inline]] void bias_and_mask(float* s, std::int64_t b, std::int64_t h, std::int64_t qi, std::int64_t j0, std::int64_t lim) const {
     if (p_.bias != nullptr) {
       const std::int64_t n = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
       const std::int64_t base = b * p_.bias_stride[0] + h * p_.bias_stride[1] + qi * p_.bias_stride[2];
@@ -526,14 +543,59 @@ class fused_avx2 {
     for (std::int64_t t = std::max<std::int64_t>(0, lim - j0); t < w_; ++t) s[t] = -std::numeric_limits<float>::infinity();
   }
 
-  /// Whether the tile row @p s holds a NaN score.
-  bool row_has_nan(const float* s) const {
-    __m256 vnan = _mm256_setzero_ps();
+  /// Whether the tile row @p s holds a NaN or +inf score: either makes its row NaN
+  /// (docs/semantics.md, "Non-finite and extreme inputs"), kept or pruned (a +inf is pruned only
+  /// in favour of another +inf or a NaN).
+  bool row_has_nan_or_inf(const float* s) const {
+    const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    __m256 bad = _mm256_setzero_ps();
     for (int t = 0; t < w_; t += 8) {
       const __m256 x = _mm256_load_ps(s + t);
-      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q), _mm256_cmp_ps(x, inf, _CMP_EQ_OQ)));
     }
-    return _mm256_movemask_ps(vnan) != 0;
+    return _mm256_movemask_ps(bad) != 0;
+  }
+
+  /// exp(scale (x - max)) of the @p kept compacted scores @p cv, in place; returns their sum. Key
+  /// indices @p ci become element offsets into the packed V here (one multiply per 8 keys instead of
+  /// one per key in the P V loop). Only a tile that holds masked keys (@p masked_tile: a boundary
+  /// tile, or any tile with a bias, which may be -inf) can keep a -inf slot: there it becomes 0 and
+  /// points at the zero row. The exponent is (x - max) e1 (e2 when Split): x - max is exact when it
+  /// matters (Sterbenz) and at most 0, so huge scores keep accurate weights; the form
+  /// x c - max c would cancel away eps |c max| of them and produce exponents far above 0 once
+  /// |c max| is large.
+  template <bool Split>
+  float exp_kept(float* cv, std::int32_t* ci, int kept, float mx, bool masked_tile) const {
+    const __m256 vmx = _mm256_set1_ps(mx), ve1 = _mm256_set1_ps(e1_), ve2 = _mm256_set1_ps(e2_);
+    const auto exponent = [&](__m256 x) {
+      const __m256 y = _mm256_mul_ps(_mm256_sub_ps(x, vmx), ve1);
+      if constexpr (Split) return _mm256_mul_ps(y, ve2);
+      return y;
+    };
+    __m256 vsum = _mm256_setzero_ps();
+    const __m256i vdp = _mm256_set1_epi32(dp_);
+    if (masked_tile) {
+      const __m256i vzero_row = _mm256_set1_epi32(zero_row_ * dp_);
+      for (int t = 0; t < kept; t += 8) {
+        const __m256 x = _mm256_load_ps(cv + t);
+        const __m256 e = exp2_avx2(exponent(x));
+        _mm256_store_ps(cv + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+        const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+        const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t)), vdp);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t),
+                            _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(off), _mm256_castsi256_ps(vzero_row), masked)));
+      }
+    } else {
+      for (int t = 0; t < kept; t += 8) {
+        const __m256 e = exp2_avx2(exponent(_mm256_load_ps(cv + t)));
+        _mm256_store_ps(cv + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+        const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t)), vdp);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t), off);
+      }
+    }
+    return hsum(vsum);
   }
 
   void row_epilogue(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0) {
@@ -543,8 +605,9 @@ class fused_avx2 {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     bias_and_mask(s, b, h, qi, j0, lim);
 
-    // A NaN score can only come from non-finite or huge inputs (flagged while packing) or a bias.
-    if (ws.risky && row_has_nan(s)) ws.row_nan[static_cast<std::size_t>(i)] = 1;
+    // A NaN or +inf score can only come from non-finite or huge inputs (flagged while packing) or a
+    // bias; the row's output is then NaN whatever the arithmetic below does with it.
+    if (ws.risky && row_has_nan_or_inf(s)) ws.row_nan[static_cast<std::size_t>(i)] = 1;
 
     // Selection and compaction; the maximum over the kept scores is the tile's maximum.
     float* cv = ws.comp_val.ptr;
@@ -556,45 +619,17 @@ class fused_avx2 {
     float& sum = ws.row_sum[static_cast<std::size_t>(i)];
     float* acc = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
     if (tile_max > mx) {
-      const float corr = mx == neg_inf ? 0.0f : std::exp2(c_ * (mx - tile_max));
+      const float corr = mx == neg_inf ? 0.0f : std::exp2(((mx - tile_max) * e1_) * e2_);
       const __m256 vc = _mm256_set1_ps(corr);
       for (int c = 0; c < dp_; c += 8) _mm256_store_ps(acc + c, _mm256_mul_ps(vc, _mm256_load_ps(acc + c)));
       sum *= corr;
       mx = tile_max;
     }
 
-
-    // exp2 of the kept scores. Only a tile that holds masked keys (a boundary tile, or any tile with
-    // a bias, which may be -inf) can keep a -inf slot: there it becomes 0 and points at the zero row.
+    // exp(scale (x - max)) of the kept scores; the second multiply only for a scale above
+    // float max / log2(e).
     const bool masked_tile = j0 + w_ > lim || p_.bias != nullptr;
-    const __m256 vc = _mm256_set1_ps(c_);
-    const __m256 vcm = _mm256_set1_ps(c_ * mx);
-    __m256 vsum = _mm256_setzero_ps();
-    // Key indices become element offsets into the packed V here (one multiply per 8 keys instead of
-    // one per key in the P V loop).
-    const __m256i vdp = _mm256_set1_epi32(dp_);
-    if (masked_tile) {
-      const __m256i vzero_row = _mm256_set1_epi32(zero_row_ * dp_);
-      for (int t = 0; t < kept; t += 8) {
-        const __m256 x = _mm256_load_ps(cv + t);
-        const __m256 e = exp2_avx2(_mm256_fmsub_ps(x, vc, vcm));
-        _mm256_store_ps(cv + t, e);
-        vsum = _mm256_add_ps(vsum, e);
-        const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(neg_inf), _CMP_EQ_OQ);
-        const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t)), vdp);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t),
-                            _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(off), _mm256_castsi256_ps(vzero_row), masked)));
-      }
-    } else {
-      for (int t = 0; t < kept; t += 8) {
-        const __m256 e = exp2_avx2(_mm256_fmsub_ps(_mm256_load_ps(cv + t), vc, vcm));
-        _mm256_store_ps(cv + t, e);
-        vsum = _mm256_add_ps(vsum, e);
-        const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t)), vdp);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + t), off);
-      }
-    }
-    sum += hsum(vsum);
+    sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_tile) : exp_kept<true>(cv, ci, kept, mx, masked_tile);
 
     // acc += p * V[index] over the kept keys, 64 columns (8 registers) at a time.
     const float* vp = ws.vp.ptr;
@@ -688,30 +723,29 @@ class fused_avx2 {
     }
     std::fill(ws.dk.ptr, ws.dk.ptr + (lk_pad_ + 1) * dp_, 0.0f);
     std::fill(ws.dv.ptr, ws.dv.ptr + (lk_pad_ + 1) * dp_, 0.0f);
-    bool head_nan = false;
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
     for (std::int64_t h = hk * group_; h < (hk + 1) * group_; ++h) {
       const bool first = first_b && (sink.stride[1] != 0 || h == 0);
-      for (std::int64_t qt = 0; qt < q_tiles; ++qt) {
-        head_nan |= backward_tile(ws, b, h, qt * kRowsPerTask, sink, first);
-      }
+      for (std::int64_t qt = 0; qt < q_tiles; ++qt) backward_tile(ws, b, h, qt * kRowsPerTask, sink, first);
     }
-    const float nan = std::numeric_limits<float>::quiet_NaN();
+    // A NaN row's P and dS are NaN at the keys it kept (backward_row), so its NaN reaches exactly
+    // those keys' dK and dV, as in the reference.
     for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
       for (int c = 0; c < d_; ++c) {
         const std::int64_t at = j * dp_ + c;
         core::store_from_double(p_.dk, p_.output_type, core::offset4(p_.dk_stride, b, j, hk, c),
-                                static_cast<double>(head_nan ? nan : ws.dk.ptr[at]));
+                                static_cast<double>(ws.dk.ptr[at]));
         core::store_from_double(p_.dv, p_.output_type, core::offset4(p_.dv_stride, b, j, hk, c),
-                                static_cast<double>(head_nan ? nan : ws.dv.ptr[at]));
+                                static_cast<double>(ws.dv.ptr[at]));
       }
     }
   }
 
-  /// Query rows i0 .. i0 + 31 of head h: dQ written, dK and dV accumulated. Returns whether a NaN
-  /// score was met (the caller then marks the whole kv head's dK and dV NaN, as a NaN reaches every
-  /// key's gradient in dense attention too).
-  bool backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, const dbias_sink& sink,
+  /// Query rows i0 .. i0 + 31 of head h: dQ written, dK and dV accumulated. Per row,
+  /// P = exp2((scale (s - shift)) log2(e) - offset) with shift = 0 and offset = LSE log2(e) (the
+  /// forward's LSE) while |LSE| <= kDirectLseLimit; for the other rows (large or overflowed scores)
+  /// row_statistics first finds the row's maximum m and sum l: shift = m, offset = log2(l).
+  void backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, const dbias_sink& sink,
                      bool first) {
     const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
     const int rows4 = (rows + 3) / 4 * 4;
@@ -722,6 +756,7 @@ class fused_avx2 {
       load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
       load_row(p_.dout, p_.dout_stride, b, i0 + i, h, i < rows, dout + i * dp_);
     }
+    std::uint32_t recompute = 0;  // bit i: row i needs its own maximum and sum
     for (int i = 0; i < rows; ++i) {
       float dsum = 0.0f;
       for (int c = 0; c < d_; ++c) {
@@ -731,10 +766,16 @@ class fused_avx2 {
       ws.row_d.ptr[i] = dsum;
       const auto lse = static_cast<float>(core::load_as_double(
           p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2]));
+      ws.row_max.ptr[i] = 0.0f;
       ws.row_lse2.ptr[i] = lse * kLog2e;
       ws.row_nan.ptr[i] = lse != lse ? 1 : 0;
-      tile_end = std::max(tile_end, key_limit(b, i0 + i));
+      const std::int64_t lim = key_limit(b, i0 + i);
+      // LSE -inf is an empty row, or a row whose scale * max overflowed: only a row that sees a key
+      // can be the latter.
+      if (lse == lse && !(std::abs(lse) <= kDirectLseLimit) && lim > 0) recompute |= 1u << i;
+      tile_end = std::max(tile_end, lim);
     }
+    if (recompute != 0) row_statistics(ws, b, h, i0, rows4, tile_end, recompute);
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
     if (p_.dbias != nullptr && first) {
       for (int i = 0; i < rows; ++i) {
@@ -755,85 +796,163 @@ class fused_avx2 {
       for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0, sink, first);
       accumulate_dk_dv(ws, j0);
     }
-    bool any_nan = false;
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int i = 0; i < rows; ++i) {
       const bool is_nan = ws.row_nan.ptr[i] != 0;
-      any_nan |= is_nan;
       for (int c = 0; c < d_; ++c) {
         core::store_from_double(p_.dq, p_.output_type, core::offset4(p_.dq_stride, b, i0 + i, h, c),
                                 static_cast<double>(is_nan ? nan : ws.acc.ptr[i * dp_ + c]));
       }
     }
-    return any_nan;
+  }
+
+  /// The maximum m and sum l = sum of exp(scale (s - m)) over the kept scores of the rows in
+  /// @p rows_mask (the forward's scores, selection and online update), stored as the rows' shift
+  /// (m) and offset (log2 l); offset -inf for a row without a finite kept score, row_nan for a row
+  /// with a NaN or +inf score. Costs one more pass of S = Q K^T over the row tile: only tiles with
+  /// such rows take it.
+  void row_statistics(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, int rows4,
+                      std::int64_t tile_end, std::uint32_t rows_mask) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+      const int i = __builtin_ctz(r);
+      ws.row_max.ptr[i] = neg_inf;
+      ws.row_sum.ptr[i] = 0.0f;
+    }
+    const __m256 ve1 = _mm256_set1_ps(e1_), ve2 = _mm256_set1_ps(e2_);
+    for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
+      for (int i = 0; i < rows4; i += 4) {
+        for (int jb = 0; jb < w_; jb += 16) {
+          microkernel_4x16(ws.q.ptr + i * dp_, dp_, ws.kt.ptr + ((j0 + jb) / 16) * dp_ * 16, dp_, ws.s.ptr + i * w_ + jb, w_);
+        }
+      }
+      for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+        const int i = __builtin_ctz(r);
+        const std::int64_t lim = key_limit(b, i0 + i);
+        if (j0 >= lim || ws.row_nan.ptr[i] != 0) continue;
+        float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+        bias_and_mask(s, b, h, i0 + i, j0, lim);
+        if (row_has_nan_or_inf(s)) {
+          ws.row_nan.ptr[i] = 1;
+          continue;
+        }
+        float tile_max = neg_inf;
+        const int kept = compact(s, static_cast<std::int32_t>(j0), ws.comp_val.ptr, ws.comp_idx.ptr, tile_max);
+        if (tile_max == neg_inf) continue;
+        float& mx = ws.row_max.ptr[i];
+        float& sum = ws.row_sum.ptr[i];
+        if (tile_max > mx) {
+          sum = mx == neg_inf ? 0.0f : sum * std::exp2(((mx - tile_max) * e1_) * e2_);
+          mx = tile_max;
+        }
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int t = 0; t < kept; t += 8) {
+          vsum = _mm256_add_ps(vsum, exp2_avx2(_mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_load_ps(ws.comp_val.ptr + t), vmx), ve1), ve2)));
+        }
+        sum += hsum(vsum);
+      }
+    }
+    for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+      const int i = __builtin_ctz(r);
+      const float mx = ws.row_max.ptr[i];
+      ws.row_lse2.ptr[i] = mx == neg_inf ? neg_inf : std::log2(ws.row_sum.ptr[i]);
+    }
   }
 
   /// One row against one key tile: the forward's scores and selection, then
-  /// P = exp(scale * S - LSE), dS = P (dO . V - D), dQ += scale dS K, dK += scale dS q, dV += P dO.
+  /// P = exp2((scale (S - shift)) log2(e) - offset) (see backward_tile), dS = P (dO . V - D),
+  /// dQ += scale dS K, dK += scale dS q, dV += P dO.
   void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
                     const dbias_sink& sink, bool first) {
     const std::int64_t lim = key_limit(b, qi);
-    const float lse2 = ws.row_lse2.ptr[i];
-    // Empty rows (LSE -inf) have zero gradients; NaN rows are written as NaN by the caller and need
-    // the selection only for their dBias.
-    const bool nan_row = ws.row_nan.ptr[i] != 0;
-    if (j0 >= lim || lse2 == -std::numeric_limits<float>::infinity() || (nan_row && p_.dbias == nullptr)) return;
+    const float offset = ws.row_lse2.ptr[i];
+    // Empty rows (offset -inf) have zero gradients.
+    if (j0 >= lim || offset == -std::numeric_limits<float>::infinity()) return;
     float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
     bias_and_mask(s, b, h, qi, j0, lim);
-    if (row_has_nan(s)) ws.row_nan.ptr[i] = 1;
+    if (row_has_nan_or_inf(s)) ws.row_nan.ptr[i] = 1;
+    if (ws.row_nan.ptr[i] != 0) {
+      nan_row_keys(ws, b, h, qi, i, j0, s, sink);
+      return;
+    }
     float* cv = ws.comp_val.ptr;
     std::int32_t* ci = ws.comp_idx.ptr;
     float* cp = ws.comp_p.ptr;
     float* cds = ws.comp_ds.ptr;
     float tile_max = 0.0f;
     const int kept = compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max);
-    if (ws.row_nan.ptr[i] != 0) {
-      // A NaN row: P and dS are NaN at every kept key whose score is not -inf (as in the reference).
-      if (p_.dbias == nullptr) return;
-      const double nan = std::numeric_limits<double>::quiet_NaN();
-      for (int t = 0; t < kept; ++t) {
-        if (cv[t] != -std::numeric_limits<float>::infinity()) {
-          core::store_from_double(sink.base, sink.type, sink.at(b, h, qi, ci[t]), nan);
-        }
-      }
-      return;
-    }
     const float d_row = ws.row_d.ptr[i];
-    const float scale = static_cast<float>(p_.scale);
-    const __m256 vc = _mm256_set1_ps(c_), vlse = _mm256_set1_ps(lse2);
+    const __m256 vshift = _mm256_set1_ps(ws.row_max.ptr[i]), ve1 = _mm256_set1_ps(e1_), ve2 = _mm256_set1_ps(e2_),
+                 voffset = _mm256_set1_ps(offset);
     const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
     const __m256i vj0 = _mm256_set1_epi32(static_cast<std::int32_t>(j0)), vlast = _mm256_set1_epi32(w_ - 1);
+    const __m256 zero = _mm256_setzero_ps();
+    int zero_p = 0;  // bit set: some kept slot has P = 0
     for (int t = 0; t < kept; t += 8) {
       // P of 8 kept keys (masked slots: exp2(-inf) = 0) and their dO . V from the dP tile (padding
       // slots point past the tile: clamped, their P is 0).
-      const __m256 pv = exp2_avx2(_mm256_fmsub_ps(_mm256_load_ps(cv + t), vc, vlse));
+      const __m256 arg = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_load_ps(cv + t), vshift), ve1), ve2);
+      const __m256 pv = exp2_clamped(_mm256_sub_ps(arg, voffset));
       const __m256i local = _mm256_min_epi32(
           _mm256_sub_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + t)), vj0), vlast);
       const __m256 dpv = _mm256_i32gather_ps(dp_row, local, 4);
       const __m256 ds = _mm256_mul_ps(pv, _mm256_sub_ps(dpv, _mm256_set1_ps(d_row)));
       _mm256_store_ps(cp + t, pv);
-      _mm256_store_ps(cds + t, _mm256_mul_ps(_mm256_set1_ps(scale), ds));
+      _mm256_store_ps(cds + t, _mm256_mul_ps(_mm256_set1_ps(scale_), ds));
+      zero_p |= _mm256_movemask_ps(_mm256_cmp_ps(pv, zero, _CMP_EQ_OQ));
+    }
+    // Slots with P = 0 (masked keys, padding, underflow) contribute nothing and are dropped, not
+    // multiplied by 0: a masked key's K row or dP may be NaN or inf (as in the reference).
+    int live = kept;
+    if (zero_p != 0) {
+      live = 0;
+      for (int t = 0; t < kept; ++t) {
+        if (cp[t] == 0.0f) continue;
+        cp[live] = cp[t], cds[live] = cds[t], ci[live] = ci[t];
+        ++live;
+      }
     }
     // dQ += scale dS K over the kept keys (a gather of K rows, the dQ row held in registers).
     const float* kr = ws.kr.ptr;
     add_row_combination(
-        ws.acc.ptr + static_cast<std::int64_t>(i) * dp_, dp_, kept, [&](int t) { return cds[t]; },
+        ws.acc.ptr + static_cast<std::int64_t>(i) * dp_, dp_, live, [&](int t) { return cds[t]; },
         [&](int t) { return kr + static_cast<std::int64_t>(ci[t]) * dp_; });
-    // P and dS go to the key-major block for accumulate_dk_dv; padding slots (the generic
-    // selection's, whose index is the zero row) land in the spill slot w_, which is never read.
+    // P and dS go to the key-major block for accumulate_dk_dv.
     float* pk = ws.p_keys.ptr;
     float* dsk = ws.ds_keys.ptr;
-    for (int t = 0; t < kept; ++t) {
-      const std::int64_t slot = std::min<std::int64_t>(ci[t] - j0, w_) * kRowsPerTask + i;
+    for (int t = 0; t < live; ++t) {
+      const std::int64_t slot = (ci[t] - j0) * kRowsPerTask + i;  // live slots are keys of this tile
       pk[slot] = cp[t];
       dsk[slot] = cds[t];
     }
     if (p_.dbias != nullptr) {
-      for (int t = 0; t < kept; ++t) {
-        if (cp[t] == 0.0f) continue;
+      for (int t = 0; t < live; ++t) {
         const std::int64_t at = sink.at(b, h, qi, ci[t]);
         const double prior = first ? 0.0 : core::load_as_double(sink.base, sink.type, at);
         core::store_from_double(sink.base, sink.type, at, prior + static_cast<double>(cds[t]));
+      }
+    }
+  }
+
+  /// A NaN row against one key tile: P and dS are NaN at every key it keeps that is not masked (as
+  /// in the reference), so dK, dV (through the key-major block) and dBias turn NaN at exactly those
+  /// keys; its dQ row is written NaN by backward_tile. The kept keys come from the scalar selection
+  /// rule, which ranks NaN above every number (the in-register 1:2 and 2:4 compaction does not need
+  /// to, as a NaN row's output is NaN whatever it keeps).
+  void nan_row_keys(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
+                    const float* s, const dbias_sink& sink) {
+    const int n = p_.pattern_n, m = p_.pattern_m;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const std::int64_t keys = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
+    for (int g = 0; g < keys; g += m) {
+      const std::uint32_t keep = n == m ? (1u << m) - 1u : select_group_generic(s + g, n, m);
+      for (int x = 0; x < m && g + x < keys; ++x) {
+        if (!((keep >> x) & 1u) || s[g + x] == -std::numeric_limits<float>::infinity()) continue;
+        const std::int64_t slot = static_cast<std::int64_t>(g + x) * kRowsPerTask + i;
+        ws.p_keys.ptr[slot] = nan;
+        ws.ds_keys.ptr[slot] = nan;
+        if (p_.dbias != nullptr) core::store_from_double(sink.base, sink.type, sink.at(b, h, qi, j0 + g + x), static_cast<double>(nan));
       }
     }
   }
@@ -959,7 +1078,11 @@ class fused_avx2 {
   const int d_, dp_, w_;
   const std::int64_t lk_pad_;
   const std::int32_t zero_row_;
-  const float c_;  ///< scale * log2(e): exp(scale * x) = exp2(c_ * x)
+  const float scale_;
+  /// exp(scale * x) = exp2((x * e1_) * e2_): e1_ = scale log2(e) and e2_ = 1, or, when scale
+  /// log2(e) overflows fp32 (scale above float max / log2(e), up to float max), e1_ = scale and
+  /// e2_ = log2(e), which stays finite for every |x| the product can take.
+  const float e1_, e2_;
   const std::int64_t group_;
 };
 

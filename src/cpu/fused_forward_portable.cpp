@@ -13,7 +13,8 @@
 // query tile and key tile it recomputes S with the forward's micro-kernel (never inlined, so both
 // directions run one machine-code instance of it) and selects with the forward's bias_and_mask and
 // compact, so it keeps exactly the keys the portable forward kept. dP = dO V^T runs on the same
-// micro-kernel over V^T panels; P = exp(scale S - LSE) from the forward's LSE; dS = P (dP - D) with
+// micro-kernel over V^T panels; P = exp(scale S - LSE) from the forward's LSE (or, for
+// |LSE| > kDirectLseLimit, from the row's own maximum and sum); dS = P (dP - D) with
 // D = rowsum(dO O); dQ accumulates in registers over the kept keys, dK and dV in the task's buffers
 // in a fixed order (heads, then rows), so gradients are bitwise identical for any thread count.
 #include <omp.h>
@@ -52,8 +53,12 @@ inline v8f load8(const float* p) {
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 
 
-/// 2^x for x <= 0, as in the AVX2 kernel: below -125 flush to 0; degree-7 polynomial on the
-/// fraction. Rounding to the nearest integer uses the 1.5 * 2^23 trick (exact for |x| < 2^22).
+/// 2^x for x <= 127 (a larger x would wrap the exponent field), as in the AVX2 kernel: the
+/// forward's exponents scale (s - max) log2(e) are <= 0 by construction, the backward clamps its own
+/// (exp2_v8_clamped). Below -125 flush to 0; degree-7 polynomial on the fraction. Rounding to the
+/// nearest integer uses the 1.5 * 2^23 trick (exact for |x| < 2^22). A NaN x gives an unspecified
+/// value (the bit arithmetic mixes its payload into the exponent field): the forward replaces a NaN
+/// row's output, and the backward uses exp2_v8_clamped.
 inline v8f exp2_v8(v8f x) {
   const v8f lo = splat(-125.0f);
   const v8i under = x < lo;
@@ -81,6 +86,14 @@ inline v8f exp2_v8(v8f x) {
   return r;
 }
 
+/// exp2_v8 for any x: above 127 it saturates at 2^127 (the backward's scale s - LSE exceeds 0 only
+/// by rounding, unless the caller's LSE is not the forward's), and a NaN stays NaN.
+inline v8f exp2_v8_clamped(v8f x) {
+  const v8f hi = splat(127.0f);
+  const v8f r = exp2_v8(x > hi ? hi : x);
+  return x != x ? x : r;
+}
+
 
 
 /// Per-thread state: the packed keys and values of one (batch, kv head) and the task scratch.
@@ -105,7 +118,9 @@ class fused_portable {
         dp_((d_ + 7) / 8 * 8),
         w_(key_tile_width(p.pattern_m)),
         lk_pad_((p.seqlen_k + w_ - 1) / w_ * w_),
-        c_(static_cast<float>(p.scale) * kLog2e),
+        scale_(static_cast<float>(p.scale)),
+        e1_(std::isfinite(scale_ * kLog2e) ? scale_ * kLog2e : scale_),
+        e2_(std::isfinite(scale_ * kLog2e) ? 1.0f : kLog2e),
         group_(p.heads / p.heads_kv),
         dbias_broadcast_(p.dbias != nullptr && ((p.dbias_stride[0] == 0 && p.batch > 1) ||
                                                 (p.dbias_stride[1] == 0 && p.heads > 1))) {}
@@ -336,7 +351,8 @@ class fused_portable {
                                 static_cast<double>(is_nan ? nan : acc[c] * inv));
       }
       if (p_.lse != nullptr) {
-        const float lse = is_nan ? nan : (empty ? neg_inf : (c_ * mx + std::log2(sum)) * kLn2);
+        // scale * max overflows to +-inf exactly where the reference's LSE, rounded to fp32, does.
+        const float lse = is_nan ? nan : (empty ? neg_inf : scale_ * mx + std::log2(sum) * kLn2);
         core::store_from_double(p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2],
                                 static_cast<double>(lse));
       }
@@ -358,7 +374,9 @@ class fused_portable {
   /// Selection and compaction (the one selection rule) of the tile row @p s: the kept scores and key
   /// indices go to @p cv / @p ci (a kept -inf points at the zero row), padded with -inf / the zero
   /// row to a multiple of 8. @p tile_max receives the largest kept score; @p nan is set when a kept
-  /// score is NaN (a NaN always ranks highest, so it is always kept). Returns the count.
+  /// score is NaN or +inf (either makes the row NaN, docs/semantics.md "Non-finite and extreme
+  /// inputs"; a NaN ranks highest and a +inf is pruned only for another +inf or a NaN, so a row
+  /// with one always keeps one). Returns the count.
   int compact(const float* s, std::int64_t j0, float* cv, std::int32_t* ci, float& tile_max, bool& nan) const {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const int n = p_.pattern_n, m = p_.pattern_m;
@@ -383,6 +401,7 @@ class fused_portable {
       cv[kept] = neg_inf;
       ci[kept] = zero_row;
     }
+    if (tile_max == std::numeric_limits<float>::infinity()) nan = true;
     return kept;
   }
 
@@ -403,17 +422,27 @@ class fused_portable {
     float& sum = ws.row_sum.ptr[i];
     float* acc = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
     if (tile_max > mx) {
-      const float corr = mx == neg_inf ? 0.0f : std::exp2(c_ * (mx - tile_max));
+      const float corr = mx == neg_inf ? 0.0f : std::exp2(((mx - tile_max) * e1_) * e2_);
       for (int c = 0; c < dp_; ++c) acc[c] *= corr;
       sum *= corr;
       mx = tile_max;
     }
-    const v8f vc = splat(c_), vcm = splat(c_ * mx);
+    // scale (x - max) log2(e), not x c - max c (see the AVX2 kernel's exp_kept); the second
+    // multiply only for a scale above float max / log2(e).
+    const v8f vmx = splat(mx), ve1 = splat(e1_), ve2 = splat(e2_);
     v8f vsum{};
-    for (int t = 0; t < kept; t += 8) {
-      const v8f e = exp2_v8(load8(cv + t) * vc - vcm);
-      store8(cv + t, e);
-      vsum += e;
+    if (e2_ == 1.0f) {
+      for (int t = 0; t < kept; t += 8) {
+        const v8f e = exp2_v8((load8(cv + t) - vmx) * ve1);
+        store8(cv + t, e);
+        vsum += e;
+      }
+    } else {
+      for (int t = 0; t < kept; t += 8) {
+        const v8f e = exp2_v8(((load8(cv + t) - vmx) * ve1) * ve2);
+        store8(cv + t, e);
+        vsum += e;
+      }
     }
     for (int l = 0; l < 8; ++l) sum += vsum[l];
 
@@ -450,28 +479,30 @@ class fused_portable {
     for (std::int64_t j = 0; j <= lk_pad_; ++j) load_row(p_.k, p_.k_stride, b, j, hk, j < p_.seqlen_k, ws.kr.ptr + j * dp_);
     std::fill(ws.dk.ptr, ws.dk.ptr + (lk_pad_ + 1) * dp_, 0.0f);
     std::fill(ws.dv.ptr, ws.dv.ptr + (lk_pad_ + 1) * dp_, 0.0f);
-    bool head_nan = false;
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
     for (std::int64_t h = hk * group_; h < (hk + 1) * group_; ++h) {
-      for (std::int64_t qt = 0; qt < q_tiles; ++qt) head_nan |= backward_tile(ws, b, h, qt * kRowsPerTask, nullptr);
+      for (std::int64_t qt = 0; qt < q_tiles; ++qt) backward_tile(ws, b, h, qt * kRowsPerTask, nullptr);
     }
-    const float nan = std::numeric_limits<float>::quiet_NaN();
+    // A NaN row's P and dS are NaN at the keys it kept (backward_row), so its NaN reaches exactly
+    // those keys' dK and dV, as in the reference.
     for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
       for (int c = 0; c < d_; ++c) {
         const std::int64_t at = j * dp_ + c;
         core::store_from_double(p_.dk, p_.output_type, core::offset4(p_.dk_stride, b, j, hk, c),
-                                static_cast<double>(head_nan ? nan : ws.dk.ptr[at]));
+                                static_cast<double>(ws.dk.ptr[at]));
         core::store_from_double(p_.dv, p_.output_type, core::offset4(p_.dv_stride, b, j, hk, c),
-                                static_cast<double>(head_nan ? nan : ws.dv.ptr[at]));
+                                static_cast<double>(ws.dv.ptr[at]));
       }
     }
   }
 
   /// Query rows i0 .. i0 + 31 of head h: dQ (and dBias without broadcast dimensions) written, dK
-  /// and dV accumulated. Returns whether a NaN score was met (the caller then marks the whole kv
-  /// head's dK and dV NaN, as a NaN reaches every key's gradient in dense attention too). With
-  /// @p dbias_acc ([32][seqlen_k]) it only adds the tile's scale dS to it (the broadcast dbias pass).
-  bool backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, float* dbias_acc) {
+  /// and dV accumulated. With @p dbias_acc ([32][seqlen_k]) it only adds the tile's scale dS to it
+  /// (the broadcast dbias pass). Per row, P = exp2((scale (s - shift)) log2(e) - offset) with
+  /// shift = 0 and offset = LSE log2(e) while |LSE| <= kDirectLseLimit; for the other rows (large or
+  /// overflowed scores) row_statistics first finds the row's maximum m and sum l: shift = m,
+  /// offset = log2(l).
+  void backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, float* dbias_acc) {
     const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
     const int rows4 = (rows + 3) / 4 * 4;
     float* q = ws.q.ptr;
@@ -481,6 +512,7 @@ class fused_portable {
       load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
       load_row(p_.dout, p_.dout_stride, b, i0 + i, h, i < rows, dout + i * dp_);
     }
+    std::uint32_t recompute = 0;  // bit i: row i needs its own maximum and sum
     for (int i = 0; i < rows; ++i) {
       float dsum = 0.0f;
       for (int c = 0; c < d_; ++c) {
@@ -490,10 +522,16 @@ class fused_portable {
       ws.row_d.ptr[i] = dsum;
       const auto lse = static_cast<float>(core::load_as_double(
           p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2]));
+      ws.row_max.ptr[i] = 0.0f;
       ws.row_lse2.ptr[i] = lse * kLog2e;
       ws.row_nan.ptr[i] = lse != lse ? 1 : 0;
-      tile_end = std::max(tile_end, key_limit(b, i0 + i));
+      const std::int64_t lim = key_limit(b, i0 + i);
+      // LSE -inf is an empty row, or a row whose scale * max overflowed: only a row that sees a key
+      // can be the latter.
+      if (lse == lse && !(std::abs(lse) <= kDirectLseLimit) && lim > 0) recompute |= 1u << i;
+      tile_end = std::max(tile_end, lim);
     }
+    if (recompute != 0) row_statistics(ws, b, h, i0, rows4, tile_end, recompute);
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
     if (p_.dbias != nullptr && !dbias_broadcast_) {
       for (int i = 0; i < rows; ++i) {
@@ -513,31 +551,81 @@ class fused_portable {
         backward_row(ws, b, h, i0 + i, i, j0, dbias_acc == nullptr ? nullptr : dbias_acc + static_cast<std::int64_t>(i) * p_.seqlen_k);
       }
     }
-    if (dbias_acc != nullptr) return false;
-    bool any_nan = false;
+    if (dbias_acc != nullptr) return;
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int i = 0; i < rows; ++i) {
       const bool is_nan = ws.row_nan.ptr[i] != 0;
-      any_nan |= is_nan;
       for (int c = 0; c < d_; ++c) {
         core::store_from_double(p_.dq, p_.output_type, core::offset4(p_.dq_stride, b, i0 + i, h, c),
                                 static_cast<double>(is_nan ? nan : ws.acc.ptr[i * dp_ + c]));
       }
     }
-    return any_nan;
+  }
+
+  /// The maximum m and sum l = sum of exp(scale (s - m)) over the kept scores of the rows in
+  /// @p rows_mask (the forward's scores, selection and online update), stored as the rows' shift
+  /// (m) and offset (log2 l); offset -inf for a row without a finite kept score, row_nan for a row
+  /// with a NaN or +inf score. Costs one more pass of S = Q K^T over the row tile: only tiles with
+  /// such rows take it.
+  void row_statistics(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, int rows4,
+                      std::int64_t tile_end, std::uint32_t rows_mask) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+      const int i = __builtin_ctz(r);
+      ws.row_max.ptr[i] = neg_inf;
+      ws.row_sum.ptr[i] = 0.0f;
+    }
+    const v8f ve1 = splat(e1_), ve2 = splat(e2_);
+    for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
+      for (int i = 0; i < rows4; i += 4) {
+        for (int jb = 0; jb < w_; jb += 16) {
+          microkernel_4x16(ws.q.ptr + i * dp_, ws.kt.ptr + ((j0 + jb) / 16) * dp_ * 16, ws.s.ptr + i * w_ + jb);
+        }
+      }
+      for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+        const int i = __builtin_ctz(r);
+        const std::int64_t lim = key_limit(b, i0 + i);
+        if (j0 >= lim || ws.row_nan.ptr[i] != 0) continue;
+        float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+        bias_and_mask(s, b, h, i0 + i, j0, lim);
+        float tile_max = neg_inf;
+        bool nan = false;
+        const int kept = compact(s, j0, ws.cv.ptr, ws.ci.ptr, tile_max, nan);
+        if (nan) {
+          ws.row_nan.ptr[i] = 1;
+          continue;
+        }
+        if (tile_max == neg_inf) continue;
+        float& mx = ws.row_max.ptr[i];
+        float& sum = ws.row_sum.ptr[i];
+        if (tile_max > mx) {
+          sum = mx == neg_inf ? 0.0f : sum * std::exp2(((mx - tile_max) * e1_) * e2_);
+          mx = tile_max;
+        }
+        const v8f vmx = splat(mx);
+        v8f vsum{};
+        for (int t = 0; t < kept; t += 8) vsum += exp2_v8(((load8(ws.cv.ptr + t) - vmx) * ve1) * ve2);
+        for (int l = 0; l < 8; ++l) sum += vsum[l];
+      }
+    }
+    for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+      const int i = __builtin_ctz(r);
+      const float mx = ws.row_max.ptr[i];
+      ws.row_lse2.ptr[i] = mx == neg_inf ? neg_inf : std::log2(ws.row_sum.ptr[i]);
+    }
   }
 
   /// One row against one key tile: the forward's scores and selection, then
-  /// P = exp(scale * S - LSE), dS = P (dO . V - D), dQ += scale dS K, dK += scale dS q, dV += P dO,
-  /// dBias = scale dS. With @p dbias_acc (the row's [seqlen_k] sums) only dBias, added there.
+  /// P = exp2((scale (S - shift)) log2(e) - offset) (see backward_tile), dS = P (dO . V - D),
+  /// dQ += scale dS K, dK += scale dS q, dV += P dO, dBias = scale dS. With @p dbias_acc (the row's
+  /// [seqlen_k] sums) only dBias, added there.
   void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
                     float* dbias_acc) {
     const std::int64_t lim = key_limit(b, qi);
-    const float lse2 = ws.row_lse2.ptr[i];
+    const float offset = ws.row_lse2.ptr[i];
     const bool want_dbias = dbias_acc != nullptr || (p_.dbias != nullptr && !dbias_broadcast_);
-    // Empty rows (LSE -inf) have zero gradients; NaN rows are written as NaN by the caller, and
-    // need the selection only for their dBias.
-    if (j0 >= lim || lse2 == -std::numeric_limits<float>::infinity() || (ws.row_nan.ptr[i] != 0 && !want_dbias)) return;
+    // Empty rows (offset -inf) have zero gradients.
+    if (j0 >= lim || offset == -std::numeric_limits<float>::infinity()) return;
     float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
     bias_and_mask(s, b, h, qi, j0, lim);
     float* cv = ws.cv.ptr;
@@ -554,33 +642,33 @@ class fused_portable {
       }
     };
     if (nan) ws.row_nan.ptr[i] = 1;
-    if (ws.row_nan.ptr[i] != 0) {
-      // A NaN row: P and dS are NaN at every kept key that is not masked (as in the reference).
-      const std::int32_t zero_row = static_cast<std::int32_t>(lk_pad_);
-      for (int t = 0; t < kept; ++t)
-        if (ci[t] != zero_row) add_dbias(ci[t], std::numeric_limits<float>::quiet_NaN());
-      return;
-    }
     float* cp = ws.cp.ptr;
     float* cds = ws.cds.ptr;
-    const float* dout = ws.dout.ptr + static_cast<std::int64_t>(i) * dp_;
-    const float* qrow = ws.q.ptr + static_cast<std::int64_t>(i) * dp_;
-    const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
-    const float d_row = ws.row_d.ptr[i];
-    const float scale = static_cast<float>(p_.scale);
-    // P of the kept keys (a kept -inf and the padding slots: exp2(-inf) = 0).
-    const v8f vc = splat(c_), vlse = splat(lse2);
-    for (int t = 0; t < kept; t += 8) store8(cp + t, exp2_v8(load8(cv + t) * vc - vlse));
-    for (int t = 0; t < kept; ++t) {
-      // Slots with P = 0 point at the zero row, past the tile: they are skipped below, so dS is 0.
-      const std::int64_t local = static_cast<std::int64_t>(ci[t]) - j0;
-      cds[t] = cp[t] == 0.0f || local >= w_ ? 0.0f : scale * (cp[t] * (dp_row[local] - d_row));
+    const std::int32_t zero_row = static_cast<std::int32_t>(lk_pad_);
+    if (ws.row_nan.ptr[i] != 0) {
+      // A NaN row: P and dS are NaN at every kept key that is not masked (as in the reference), so
+      // the NaN reaches exactly those keys' dK, dV and dBias; the dQ row is written NaN anyway.
+      const float qnan = std::numeric_limits<float>::quiet_NaN();
+      for (int t = 0; t < kept; ++t) cp[t] = cds[t] = ci[t] == zero_row ? 0.0f : qnan;
+    } else {
+      const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
+      const float d_row = ws.row_d.ptr[i];
+      // P of the kept keys (a kept -inf and the padding slots: exp2(-inf) = 0).
+      const v8f vshift = splat(ws.row_max.ptr[i]), ve1 = splat(e1_), ve2 = splat(e2_), voffset = splat(offset);
+      for (int t = 0; t < kept; t += 8) store8(cp + t, exp2_v8_clamped(((load8(cv + t) - vshift) * ve1) * ve2 - voffset));
+      for (int t = 0; t < kept; ++t) {
+        // Slots with P = 0 point at the zero row, past the tile: they are skipped below, so dS is 0.
+        const std::int64_t local = static_cast<std::int64_t>(ci[t]) - j0;
+        cds[t] = cp[t] == 0.0f || local >= w_ ? 0.0f : scale_ * (cp[t] * (dp_row[local] - d_row));
+      }
     }
     if (dbias_acc != nullptr) {
       for (int t = 0; t < kept; ++t)
         if (cp[t] != 0.0f) add_dbias(ci[t], cds[t]);
       return;
     }
+    const float* dout = ws.dout.ptr + static_cast<std::int64_t>(i) * dp_;
+    const float* qrow = ws.q.ptr + static_cast<std::int64_t>(i) * dp_;
     float* dq = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
     // dQ += scale dS K over the kept keys, the dQ row held in registers (64 columns at a time).
     for (int c0 = 0; c0 < dp_; c0 += 64) {
@@ -613,7 +701,10 @@ class fused_portable {
   const attention_params& p_;
   const int d_, dp_, w_;
   const std::int64_t lk_pad_;
-  const float c_;  ///< scale * log2(e)
+  const float scale_;
+  /// exp(scale * x) = exp2((x * e1_) * e2_): e1_ = scale log2(e) and e2_ = 1, or, when scale
+  /// log2(e) overflows fp32, e1_ = scale and e2_ = log2(e) (as in the AVX2 kernel).
+  const float e1_, e2_;
   const std::int64_t group_;
   /// dbias sums over a broadcast batch or head dimension: written by run_dbias_pass, not the tasks.
   const bool dbias_broadcast_;

@@ -9,7 +9,8 @@
 // Backward, per (batch, kv head): for every query row of the heads sharing that kv head, the same
 // tiles go through the same score function (scalar_tile_scores, never inlined, so forward and
 // backward run one machine-code instance of it and keep exactly the same keys); then per kept key
-// P = exp(scale s - LSE) from the forward's LSE, dS = P (dO . v_j - rowsum(dO O)), and dQ, dK, dV,
+// P = exp(scale s - LSE) from the forward's LSE (or, for |LSE| > kDirectLseLimit, from the row's
+// own maximum and sum), dS = P (dO . v_j - rowsum(dO O)), and dQ, dK, dV,
 // dBias accumulate in a fixed order (heads, rows, keys), bitwise identical for any thread count.
 // A dBias with broadcast dimensions gets a second pass over its rows (scalar_dbias_task).
 #include <omp.h>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "core/element_access.hpp"
+#include "cpu/fused_common.hpp"
 #include "cpu/fused_forward.hpp"
 #include "dfss/format/nm_select.hpp"
 #include "dfss/numeric.hpp"
@@ -164,10 +166,13 @@ void scalar_row_inputs(const attention_params& p, std::int64_t b, std::int64_t h
 
 /// One query row of the backward: recomputes the row's scores and selection with the forward's
 /// scalar_tile_scores, then calls visit(j, P_j, scale dS_j) for every kept key j with P_j != 0 in
-/// increasing j, P = exp(scale s - LSE), dS = P (dO . v_j - D); @p v_row(j) gives v_j in fp32. An
-/// empty row (LSE -inf: every kept score is -inf) visits nothing; keys at or past the mask limit are
-/// never kept with a finite score, so their tiles are skipped. In a NaN row (LSE NaN) every kept
-/// key's P and dS are NaN. Returns whether the row is NaN.
+/// increasing j, dS = P (dO . v_j - D); @p v_row(j) gives v_j in fp32. P = exp(scale s - LSE) from
+/// the forward's LSE while |LSE| <= kDirectLseLimit; otherwise (large or overflowed scores,
+/// docs/semantics.md "Non-finite and extreme inputs") a first pass finds the row's maximum m and
+/// sum l and P = exp(scale (s - m) - log l). An empty row visits nothing; keys at or past the mask
+/// limit are never kept with a finite score, so their tiles are skipped. In a NaN row (LSE NaN, or a
+/// NaN or +inf kept score) every kept key that is not masked gets P and dS NaN, so the NaN reaches
+/// exactly the gradients the reference's does. Returns whether the row is NaN.
 template <typename T, typename VRow, typename Visit>
 bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t h, std::int64_t i, const float* q,
                          const float* dout, float rowsum_do, float lse, VRow&& v_row, Visit&& visit) {
@@ -175,17 +180,41 @@ bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t
   const std::int64_t tile = (kKeyTile + p.pattern_m - 1) / p.pattern_m * p.pattern_m;
   const float scale = static_cast<float>(p.scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float inf = std::numeric_limits<float>::infinity();
   float s[kKeyTile + 16];
   bool row_nan = lse != lse;
   const std::int64_t last = core::causal_last_key(p, i);
   const std::int64_t len = core::valid_keys(p, b);
-  const std::int64_t lim = lse == neg_inf ? 0 : std::min(len, last + 1);
-  for (std::int64_t j0 = 0; j0 < lim; j0 += tile) {
+  const std::int64_t lim = std::min(len, last + 1);
+  float shift = 0.0f, offset = lse;  // P = exp(scale (s - shift) - offset)
+  if (!row_nan && !(std::abs(lse) <= fused::kDirectLseLimit)) {
+    float mx = neg_inf, sum = 0.0f;
+    for (std::int64_t j0 = 0; j0 < lim; j0 += tile) {
+      const std::int64_t width = L - j0 < tile ? L - j0 : tile;
+      row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
+      for (std::int64_t x = 0; x < width; ++x) {
+        if (s[x] == neg_inf) continue;
+        row_nan |= s[x] == inf;
+        if (s[x] > mx) {
+          sum = mx == neg_inf ? 0.0f : sum * std::exp(scale * (mx - s[x]));
+          mx = s[x];
+        }
+        sum += std::exp(scale * (s[x] - mx));
+      }
+    }
+    if (row_nan) {
+      offset = std::numeric_limits<float>::quiet_NaN();
+    } else {
+      shift = mx;
+      offset = mx == neg_inf ? neg_inf : std::log(sum);
+    }
+  }
+  for (std::int64_t j0 = 0; j0 < (offset == neg_inf ? 0 : lim); j0 += tile) {
     const std::int64_t width = L - j0 < tile ? L - j0 : tile;
     row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
     for (std::int64_t x = 0; x < width; ++x) {
       if (s[x] == neg_inf) continue;  // pruned or masked: never contributes
-      const float pj = std::exp(scale * s[x] - lse);
+      const float pj = row_nan ? std::numeric_limits<float>::quiet_NaN() : std::exp(scale * (s[x] - shift) - offset);
       if (pj == 0.0f) continue;  // underflowed: no contribution, as in the forward's P V
       const std::int64_t j = j0 + x;
       const float* vrow = v_row(j);
@@ -223,7 +252,6 @@ void scalar_backward_task(const attention_params& p, scalar_backward_scratch& ws
       ws.v[static_cast<std::size_t>(j * d + c)] = load<T>(p.v, core::offset4(p.v_stride, b, j, hk, c));
     }
   }
-  bool head_nan = false;
   float q[512], dout[512], dq[512];
   for (std::int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
@@ -249,9 +277,7 @@ void scalar_backward_task(const attention_params& p, scalar_backward_scratch& ws
               core::store_from_double(p.dbias, p.bias_type, dbias_row + j * p.dbias_stride[3], static_cast<double>(sds));
             }
           });
-      // A NaN score reaches every gradient of its row and, through dK and dV, the whole kv head
-      // (as in dense attention; the AVX2 backward does the same).
-      head_nan |= row_nan;
+      // A NaN row's dQ is NaN; its dK, dV and dBias are NaN at the keys it kept (the visits).
       for (std::int64_t c = 0; c < d; ++c) {
         core::store_from_double(p.dq, p.output_type, core::offset4(p.dq_stride, b, i, h, c),
                                 static_cast<double>(row_nan ? nan : dq[c]));
@@ -262,9 +288,9 @@ void scalar_backward_task(const attention_params& p, scalar_backward_scratch& ws
     for (std::int64_t c = 0; c < d; ++c) {
       const auto at = static_cast<std::size_t>(j * d + c);
       core::store_from_double(p.dk, p.output_type, core::offset4(p.dk_stride, b, j, hk, c),
-                              static_cast<double>(head_nan ? nan : ws.dk[at]));
+                              static_cast<double>(ws.dk[at]));
       core::store_from_double(p.dv, p.output_type, core::offset4(p.dv_stride, b, j, hk, c),
-                              static_cast<double>(head_nan ? nan : ws.dv[at]));
+                              static_cast<double>(ws.dv[at]));
     }
   }
 }

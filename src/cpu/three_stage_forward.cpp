@@ -15,14 +15,18 @@
 // out-of-range position >= Lk, as dfss::nm_compress does). For 1:2 and 2:4 the epilogue also builds
 // the row-order 16-bit sparse tensor core metadata words (formats sm80_16bit_1of2 and
 // sm80_16bit_2of4 of dfss/format/nm_meta.hpp, one word per 16 keys; groups past the end of the row
-// are encoded as all-padding groups). Stage (b) takes the row maximum over the kept values, turns
-// them into probabilities and the log-sum-exp; stage (c) accumulates P * V[index] over the kept
-// slots in fp32, reading V in packed blocks of keys. The compressed tile lives in per-thread scratch
+// are encoded as all-padding groups). Stage (a) also keeps the unscaled kept scores: stage (b)
+// takes the row maximum m over them and computes the probabilities exp(scale (s - m)) / sum and the
+// log-sum-exp scale m + log(sum), so that huge scores keep accurate weights and scale * s beyond
+// float max (an exported value of +-inf) still gives the reference's output (docs/semantics.md,
+// "Non-finite and extreme inputs"); stage (c) accumulates P * V[index] over the kept slots in fp32,
+// reading V in packed blocks of keys. The compressed tile lives in per-thread scratch
 // (O(threads x tile x G x N) memory, never an L x L buffer); when the caller asked for the compressed
-// outputs the scratch is copied there right after stage (a), so the exported values are exactly the
-// ones stage (b) consumes. Conventions follow the scalar fused kernel: a NaN kept score makes its
-// whole row (output and LSE) NaN, a row whose kept scores are all -inf outputs zeros with LSE -inf,
-// and slots with value -inf never touch V (so a NaN in V reaches only the rows that keep its key).
+// outputs the scratch is copied there right after stage (a), so the exported values are fp32
+// scale * s of exactly the scores stage (b) consumes. Conventions follow the scalar fused kernel: a
+// NaN or +inf kept score makes its whole row (output and LSE) NaN, a row whose kept scores are all
+// -inf outputs zeros with LSE -inf, and slots with score -inf never touch V (so a NaN in V reaches
+// only the rows that keep its key).
 // Every row is computed in a fixed order independent of the task schedule, so results are bitwise
 // identical for any thread count.
 #include <omp.h>
@@ -72,6 +76,7 @@ struct scratch {
   float* kt;      ///< [d][block] K block, transposed
   float* s;       ///< [tile][block] scores of one key block
   float* vals;    ///< [tile][slots] compressed values (scaled scores), stage (a) output
+  float* raw;     ///< [tile][slots] the same kept scores unscaled (-inf where masked or padding)
   float* prob;    ///< [tile][slots] probabilities, stage (b) output
   std::int32_t* idx;   ///< [tile][slots] key index of each slot
   std::uint16_t* meta; ///< [tile][words] metadata words (when requested)
@@ -153,6 +158,7 @@ void stage_qk_select(const attention_params& p, const plan& pl, const scratch& s
           if (((keep >> x) & 1u) == 0) continue;
           const float sv = x < count ? srow[t0 + x] : kNegInf;
           vrow[slot] = sv == kNegInf ? kNegInf : pl.scale * sv;
+          sc.raw[r * pl.slots + slot] = sv;
           irow[slot] = static_cast<std::int32_t>(j0 + t0 + x);
           ++slot;
         }
@@ -197,18 +203,20 @@ void export_compressed(const attention_params& p, const plan& pl, const scratch&
   }
 }
 
-/// Stage (b): softmax over the compressed rows; writes sc.prob, sc.state and the LSE.
+/// Stage (b): softmax over the compressed rows (from the unscaled kept scores); writes sc.prob,
+/// sc.state and the LSE.
 void stage_softmax(const attention_params& p, const plan& pl, const scratch& sc, i64 b, i64 h, i64 i0,
                    i64 rows) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
   for (i64 r = 0; r < rows; ++r) {
-    const float* v = sc.vals + r * pl.slots;
+    const float* v = sc.raw + r * pl.slots;
     float* pr = sc.prob + r * pl.slots;
     float mx = kNegInf;
     bool nan_seen = false;
     for (i64 k = 0; k < pl.slots; ++k) {
       const float x = v[k];
-      if (x != x) nan_seen = true;
+      if (x != x || x == inf) nan_seen = true;
       else if (x > mx) mx = x;
     }
     float lse = 0.0f;
@@ -222,13 +230,13 @@ void stage_softmax(const attention_params& p, const plan& pl, const scratch& sc,
       sc.state[r] = row_normal;
       float sum = 0.0f;
       for (i64 k = 0; k < pl.slots; ++k) {
-        const float e = std::exp(v[k] - mx);  // exp(-inf) = 0 for masked and padding slots
+        const float e = std::exp(pl.scale * (v[k] - mx));  // exp(-inf) = 0 for masked and padding slots
         pr[k] = e;
         sum += e;
       }
       const float inv = 1.0f / sum;
       for (i64 k = 0; k < pl.slots; ++k) pr[k] *= inv;
-      lse = mx + std::log(sum);
+      lse = pl.scale * mx + std::log(sum);  // +-inf where the reference's, rounded to fp32, is
     }
     if (p.lse != nullptr) {
       core::store_from_double(p.lse, p.lse_type, b * p.lse_stride[0] + h * p.lse_stride[1] + (i0 + r) * p.lse_stride[2],
@@ -252,7 +260,7 @@ void stage_pv(const attention_params& p, const plan& pl, const scratch& sc, i64 
     bool used = false;
     for (i64 r = 0; r < rows && !used; ++r) {
       if (sc.state[r] != row_normal) continue;
-      const float* v = sc.vals + r * pl.slots;
+      const float* v = sc.raw + r * pl.slots;
       for (i64 k = k0; k < k1; ++k) used = used || v[k] != kNegInf;
     }
     if (!used) continue;
@@ -260,7 +268,7 @@ void stage_pv(const attention_params& p, const plan& pl, const scratch& sc, i64 
       for (i64 c = 0; c < d; ++c) sc.vb[t * d + c] = load<T>(p.v, core::offset4(p.v_stride, b, j0 + t, hk, c));
     for (i64 r = 0; r < rows; ++r) {
       if (sc.state[r] != row_normal) continue;
-      const float* v = sc.vals + r * pl.slots;
+      const float* v = sc.raw + r * pl.slots;
       const float* pr = sc.prob + r * pl.slots;
       const std::int32_t* ix = sc.idx + r * pl.slots;
       float* acc = sc.acc + r * d;
@@ -309,7 +317,7 @@ status run(const attention_params& p) noexcept {
 
   // Per-thread scratch, allocated up front so that a failed allocation becomes a status.
   const i64 TQ = kQueryTile, d = pl.d, KB = pl.block;
-  const i64 floats = TQ * d + d * KB + TQ * KB + 2 * TQ * pl.slots + KB * d + TQ * d;
+  const i64 floats = TQ * d + d * KB + TQ * KB + 3 * TQ * pl.slots + KB * d + TQ * d;
   const i64 ints = TQ * pl.slots;
   const i64 shorts = pl.meta ? TQ * pl.words : 0;
   std::vector<float> fbuf;
@@ -335,6 +343,7 @@ status run(const attention_params& p) noexcept {
     sc.kt = f, f += d * KB;
     sc.s = f, f += TQ * KB;
     sc.vals = f, f += TQ * pl.slots;
+    sc.raw = f, f += TQ * pl.slots;
     sc.prob = f, f += TQ * pl.slots;
     sc.vb = f, f += KB * d;
     sc.acc = f;

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <atomic>
+#include <limits>
 #include <vector>
 
 #include "core/element_access.hpp"
@@ -13,7 +14,15 @@
 namespace dfss::ref {
 namespace {
 
-/// dS of one row (gradient with respect to scale * S_kept), 0 where not kept.
+/// Whether key @p j enters row @p r: kept and not masked. A kept key whose score is -inf (masked,
+/// in a group with fewer than N visible keys) has P = 0 and is skipped, not multiplied by 0, as in
+/// the forward's O = P V (docs/design.md): a NaN row, or a NaN in V or dO, must not reach a masked
+/// key's gradient through 0 * NaN.
+bool contributes(const row_result& r, std::int64_t j) {
+  return r.kept[static_cast<std::size_t>(j)] && r.s[static_cast<std::size_t>(j)] != -std::numeric_limits<double>::infinity();
+}
+
+/// dS of one row (gradient with respect to scale * S_kept), 0 where not kept or masked.
 void row_dscore(const attention_params& p, const kv_block& kv, const row_result& r, std::int64_t b,
                 std::int64_t h, std::int64_t i, std::vector<double>& dout, std::vector<double>& ds) {
   const std::int64_t L = p.seqlen_k, d = p.head_dim;
@@ -26,7 +35,7 @@ void row_dscore(const attention_params& p, const kv_block& kv, const row_result&
   }
   ds.assign(static_cast<std::size_t>(L), 0.0);
   for (std::int64_t j = 0; j < L; ++j) {
-    if (!r.kept[static_cast<std::size_t>(j)]) continue;
+    if (!contributes(r, j)) continue;
     double dp = 0.0;
     for (std::int64_t c = 0; c < d; ++c) dp += dout[static_cast<std::size_t>(c)] * kv.v[static_cast<std::size_t>(j * d + c)];
     ds[static_cast<std::size_t>(j)] = r.prob[static_cast<std::size_t>(j)] * (dp - rowdot);
@@ -49,7 +58,7 @@ void backward_qkv_task(const attention_params& p, kv_block& kv, row_result& r, s
       row_dscore(p, kv, r, b, h, i, dout, ds);
       dq.assign(static_cast<std::size_t>(d), 0.0);
       for (std::int64_t j = 0; j < L; ++j) {
-        if (!r.kept[static_cast<std::size_t>(j)]) continue;
+        if (!contributes(r, j)) continue;
         const double sj = ds[static_cast<std::size_t>(j)] * p.scale;
         const double pj = r.prob[static_cast<std::size_t>(j)];
         for (std::int64_t c = 0; c < d; ++c) {

@@ -5,10 +5,13 @@
 // (tolerance as in tests/unit/test_cpu.cpp); then the same for the backward pass, which must be the
 // portable backward twin (tolerance as in tests/unit/test_cpu_backward_twins.cpp), and a trip test
 // that the backward keeps exactly the keys the forward kept on near-tied scores (here the compiler
-// fuses multiply-adds into FMA, so this is where a second copy of the score code could drift). Prints
-// "N passed, M failed" and exits non-zero on any failure.
+// fuses multiply-adds into FMA, so this is where a second copy of the score code could drift); and
+// the forward and backward on extreme inputs (+inf, NaN and -inf scores, scores near 1e3, 2^100 and
+// beyond float max after scaling, a scale of float max; tests/unit/test_extreme_values.cpp has the
+// full set). Prints "N passed, M failed" and exits non-zero on any failure.
 #include <dfss/dfss.hpp>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -154,6 +157,128 @@ void check_backward_selection(std::mt19937& rng) {
   }
 }
 
+
+/// Same class (NaN, +-inf, finite) and, where finite, |got - want| <= tol, element by element.
+bool matches(const std::vector<float>& got, const std::vector<double>& want, double tol) {
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    if (std::isnan(g) || std::isnan(w)) {
+      if (std::isnan(g) != std::isnan(w)) return false;
+    } else if (std::isinf(g) || std::isinf(w)) {
+      if (g != w) return false;
+    } else if (std::fabs(g - w) > tol) {
+      return false;
+    }
+  }
+  return true;
+}
+
+double max_finite(const std::vector<float>& x) {
+  double m = 0;
+  for (float e : x)
+    if (std::isfinite(e)) m = std::fmax(m, std::fabs(static_cast<double>(e)));
+  return m;
+}
+
+/// The portable forward and backward against the reference on extreme inputs: small-integer q, k,
+/// v, dO (exact scores) with, per query row, a +inf bias at a visible key (NaN row) or behind the
+/// causal mask (finite row), a NaN bias, a row of -inf bias (empty), an offset of 1024 or of 2^100
+/// on the bias (large scores with a spread or one-hot softmax), a NaN in q; then the whole problem
+/// with scale = float max (q, k / 16, no bias) and with scale 1e20 and the bias times 2^66, where
+/// scale * score overflows fp32 (O still the reference's, LSE +-inf as its fp32 rounding).
+/// Tolerances as in tests/unit/test_extreme_values.cpp.
+void check_extreme(std::mt19937& rng) {
+  std::uniform_int_distribution<int> small(-3, 3);
+  const std::int64_t Lq = 40, Lk = 150, H = 2, d = 8;
+  const auto nq = static_cast<std::size_t>(Lq * H * d), nk = static_cast<std::size_t>(Lk * d), nb = static_cast<std::size_t>(H * Lq * Lk);
+  const double eps = 1.0 / (1 << 23), inf = INFINITY;
+  for (int variant = 0; variant < 3; ++variant) {
+    std::vector<double> q64(nq), k64(nk), v64(nk), dout64(nq), bias64(nb);
+    for (auto* x : {&q64, &k64, &v64, &dout64, &bias64})
+      for (auto& e : *x) e = small(rng);
+    auto at = [&](std::int64_t h, std::int64_t i, std::int64_t j) { return static_cast<std::size_t>((h * Lq + i) * Lk + j); };
+    double scale = 0.0;
+    if (variant == 0) {
+      bias64[at(0, 2, 5)] = inf;     // row 2 sees keys up to 112: NaN row
+      bias64[at(0, 3, 140)] = inf;   // behind the causal mask: finite row
+      bias64[at(1, 4, 20)] = NAN;
+      for (std::int64_t j = 0; j < Lk; ++j) {
+        bias64[at(0, 5, j)] = -inf;                            // empty row
+        bias64[at(1, 7, j)] += 1024.0;                         // scores near 1e3, spread softmax
+        if (j % 9 == 0) bias64[at(0, 9, j)] = 0x1p100;         // scores 2^100, ties
+      }
+      q64[static_cast<std::size_t>((11 * H + 1) * d + 2)] = NAN;
+    } else if (variant == 1) {
+      scale = FLT_MAX;
+      for (auto* x : {&q64, &k64})
+        for (auto& e : *x) e /= 16;
+      for (auto& e : dout64) e *= 0x1p-40;  // keeps scale * dS far from overflowing
+    } else {
+      scale = 1e20;
+      for (auto& e : bias64) e *= 0x1p66;
+    }
+    const bool with_bias = variant != 1;
+    std::vector<float> q(q64.begin(), q64.end()), k(k64.begin(), k64.end()), v(v64.begin(), v64.end()),
+        dout(dout64.begin(), dout64.end()), bias(bias64.begin(), bias64.end());
+    std::vector<float> o(nq, NAN), lse(static_cast<std::size_t>(H * Lq), NAN), dq(nq, NAN), dk(nk, NAN), dv(nk, NAN);
+    std::vector<double> o64(nq), lse64(static_cast<std::size_t>(H * Lq)), dq64(nq), dk64(nk), dv64(nk);
+    dfss::attention_config cfg;
+    cfg.causal = true;
+    cfg.scale = scale;
+    dfss::forward_args f;
+    f.q = dfss::make_view(q.data(), {1, Lq, H, d});
+    f.k = dfss::make_view(k.data(), {1, Lk, 1, d});
+    f.v = dfss::make_view(v.data(), {1, Lk, 1, d});
+    f.out = dfss::make_view(o.data(), {1, Lq, H, d});
+    f.lse = dfss::make_view(lse.data(), {1, H, Lq});
+    if (with_bias) f.bias = dfss::make_view(bias.data(), {1, H, Lq, Lk});
+    dfss::attention_forward(f, cfg);
+    dfss::backward_args g;
+    g.q = f.q, g.k = f.k, g.v = f.v, g.bias = f.bias;
+    g.dout = dfss::make_view(dout.data(), {1, Lq, H, d});
+    g.dq = dfss::make_view(dq.data(), {1, Lq, H, d});
+    g.dk = dfss::make_view(dk.data(), {1, Lk, 1, d});
+    g.dv = dfss::make_view(dv.data(), {1, Lk, 1, d});
+    dfss::attention_backward(g, cfg);
+    cfg.backend = dfss::backend::reference;
+    dfss::forward_args rf;
+    rf.q = dfss::make_view(q64.data(), {1, Lq, H, d});
+    rf.k = dfss::make_view(k64.data(), {1, Lk, 1, d});
+    rf.v = dfss::make_view(v64.data(), {1, Lk, 1, d});
+    rf.out = dfss::make_view(o64.data(), {1, Lq, H, d});
+    rf.lse = dfss::make_view(lse64.data(), {1, H, Lq});
+    if (with_bias) rf.bias = dfss::make_view(bias64.data(), {1, H, Lq, Lk});
+    dfss::attention_forward(rf, cfg);
+    dfss::backward_args rg;
+    rg.q = rf.q, rg.k = rf.k, rg.v = rf.v, rg.bias = rf.bias;
+    rg.dout = dfss::make_view(dout64.data(), {1, Lq, H, d});
+    rg.dq = dfss::make_view(dq64.data(), {1, Lq, H, d});
+    rg.dk = dfss::make_view(dk64.data(), {1, Lk, 1, d});
+    rg.dv = dfss::make_view(dv64.data(), {1, Lk, 1, d});
+    dfss::attention_backward(rg, cfg);
+    const char* name = variant == 0 ? "non-finite and large bias" : (variant == 1 ? "scale float max" : "scale * score overflows");
+    check(matches(o, o64, (16.0 + Lk) * eps * 3.0), "extreme inputs: O vs reference", Lq, Lk, d, name);
+    bool lse_ok = true;
+    for (std::size_t x = 0; x < lse.size(); ++x) {
+      const auto want = static_cast<double>(static_cast<float>(lse64[x]));  // the fp32 LSE
+      lse_ok = lse_ok && matches({lse[x]}, {want}, (16.0 + Lk) * eps * (1.0 + std::fabs(want)));
+    }
+    check(lse_ok, "extreme inputs: LSE vs reference", Lq, Lk, d, name);
+    const double r = cfg.scale > 0 ? cfg.scale : 1.0 / std::sqrt(static_cast<double>(d));
+    // terms: Lk bounds both Lk (dQ) and group * Lq = 80 (dK, dV).
+    const double dS = r * d * max_finite(dout) * max_finite(v), terms = 64.0 + Lk + 2.0 * d;
+    auto tol = [&](const std::vector<double>& w, double bound) {
+      double m = 0;
+      for (double e : w)
+        if (std::isfinite(e)) m = std::fmax(m, std::fabs(e));
+      return terms * eps * (1.0 + m + bound);
+    };
+    check(matches(dq, dq64, tol(dq64, dS * max_finite(k))), "extreme inputs: dQ vs reference", Lq, Lk, d, name);
+    check(matches(dk, dk64, tol(dk64, dS * max_finite(q))), "extreme inputs: dK vs reference", Lq, Lk, d, name);
+    check(matches(dv, dv64, tol(dv64, max_finite(dout))), "extreme inputs: dV vs reference", Lq, Lk, d, name);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -205,6 +330,7 @@ int main() {
   }
   check_backward(rng);
   check_backward_selection(rng);
+  check_extreme(rng);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

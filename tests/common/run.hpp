@@ -1,6 +1,6 @@
 // Runs a testing::problem through the public API with a chosen element type, backend, memory
-// layout and thread count; outputs are poisoned (NaN) before the call and returned as fp64 in packed
-// [B, Lq, H, d] / [B, H, Lq] order.
+// layout and thread count; outputs are poisoned (NaN unless run_options::poison says otherwise)
+// before the call and returned as fp64 in packed [B, Lq, H, d] / [B, H, Lq] order.
 #pragma once
 
 #include "testing.hpp"
@@ -16,6 +16,9 @@ struct run_options {
   bool want_lse = true;
   dfss::cpu_isa isa = dfss::cpu_isa::automatic;
   dfss::cpu_algorithm algorithm = dfss::cpu_algorithm::fused;
+  /// What every output element holds before the call. NaN shows an unwritten element wherever a
+  /// finite result is expected; a finite poison shows one where NaN is expected.
+  double poison = kNaN;
 };
 
 struct forward_result {
@@ -36,9 +39,10 @@ struct stored {
   std::int64_t B = 0, L = 0, Hh = 0, d = 0;
   bool bhld = false;
 
-  void init(std::int64_t b, std::int64_t l, std::int64_t hh, std::int64_t dd, bool layout_bhld) {
+  void init(std::int64_t b, std::int64_t l, std::int64_t hh, std::int64_t dd, bool layout_bhld,
+            double poison = kNaN) {
     B = b, L = l, Hh = hh, d = dd, bhld = layout_bhld;
-    data.assign(static_cast<std::size_t>(B * L * Hh * d), from_double<T>(kNaN));
+    data.assign(static_cast<std::size_t>(B * L * Hh * d), from_double<T>(poison));
     if (bhld) {
       view = make_strided_view(data.data(), {B, L, Hh, d}, {Hh * L * d, d, L * d, 1});
     } else {
@@ -102,9 +106,9 @@ struct runner {
 
   forward_result forward() {
     stored<O> o;
-    o.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld);
+    o.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld, opt.poison);
     using L = std::conditional_t<std::is_same_v<T, double>, double, float>;
-    std::vector<L> lse(static_cast<std::size_t>(pr.B * pr.H * pr.Lq), static_cast<L>(kNaN));
+    std::vector<L> lse(static_cast<std::size_t>(pr.B * pr.H * pr.Lq), static_cast<L>(opt.poison));
     forward_args a;
     a.q = q.view, a.k = k.view, a.v = v.view, a.out = o.view;
     if (opt.want_lse) a.lse = make_view(lse.data(), {pr.B, pr.H, pr.Lq});
@@ -121,10 +125,10 @@ struct runner {
     dout.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld);
     dout.load(pr.dout);
     stored<O> dq, dk, dv;
-    dq.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld);
-    dk.init(pr.B, pr.Lk, pr.Hkv, pr.d, opt.bhld);
-    dv.init(pr.B, pr.Lk, pr.Hkv, pr.d, opt.bhld);
-    std::vector<double> dbias(pr.has_bias ? static_cast<std::size_t>(pr.bias_numel()) : 0, kNaN);
+    dq.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld, opt.poison);
+    dk.init(pr.B, pr.Lk, pr.Hkv, pr.d, opt.bhld, opt.poison);
+    dv.init(pr.B, pr.Lk, pr.Hkv, pr.d, opt.bhld, opt.poison);
+    std::vector<double> dbias(pr.has_bias ? static_cast<std::size_t>(pr.bias_numel()) : 0, opt.poison);
     backward_args a;
     a.q = q.view, a.k = k.view, a.v = v.view, a.dout = dout.view;
     a.dq = dq.view, a.dk = dk.view, a.dv = dv.view;

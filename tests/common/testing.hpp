@@ -151,13 +151,26 @@ inline naive_result naive_forward(const problem& pr) {
           for (std::int64_t t = 0; t < std::min<std::int64_t>(N, static_cast<std::int64_t>(idx.size())); ++t)
             keep[static_cast<std::size_t>(idx[static_cast<std::size_t>(t)])] = 1;
         }
+        // Softmax as float64 computes it: a NaN kept score makes the row NaN; a +inf one gives
+        // exp(inf - inf) = NaN. The exponent is scale * (s - max), never scale * s - scale * max,
+        // which would lose everything to cancellation once scale * max is large.
         double mx = -kInf;
-        for (std::int64_t j = 0; j < Lk; ++j)
-          if (keep[static_cast<std::size_t>(j)]) mx = std::max(mx, s[static_cast<std::size_t>(j)]);
+        bool row_nan = false;
+        for (std::int64_t j = 0; j < Lk; ++j) {
+          if (!keep[static_cast<std::size_t>(j)]) continue;
+          const double sj = s[static_cast<std::size_t>(j)];
+          if (std::isnan(sj)) row_nan = true;
+          else mx = std::max(mx, sj);
+        }
         const std::size_t orow = static_cast<std::size_t>(((b * Lq + i) * H + h) * d);
         const std::size_t lrow = static_cast<std::size_t>((b * H + h) * Lq + i);
         for (std::int64_t j = 0; j < Lk; ++j)
           r.keep[static_cast<std::size_t>(((b * H + h) * Lq + i) * Lk + j)] = keep[static_cast<std::size_t>(j)];
+        if (row_nan) {
+          r.lse[lrow] = kNaN;
+          for (std::int64_t c = 0; c < d; ++c) r.o[orow + static_cast<std::size_t>(c)] = kNaN;
+          continue;
+        }
         if (mx == -kInf) {
           r.lse[lrow] = -kInf;
           continue;
@@ -166,15 +179,19 @@ inline naive_result naive_forward(const problem& pr) {
         double sum = 0;
         for (std::int64_t j = 0; j < Lk; ++j)
           if (keep[static_cast<std::size_t>(j)]) {
-            p[static_cast<std::size_t>(j)] = std::exp(scale * s[static_cast<std::size_t>(j)] - scale * mx);
+            p[static_cast<std::size_t>(j)] = std::exp(scale * (s[static_cast<std::size_t>(j)] - mx));
             sum += p[static_cast<std::size_t>(j)];
           }
         r.lse[lrow] = scale * mx + std::log(sum);
-        for (std::int64_t j = 0; j < Lk; ++j)
+        // Keys that are pruned or masked (P = 0 from a -inf score) are skipped, not multiplied by 0
+        // (docs/design.md): a NaN in their value rows never reaches the output.
+        for (std::int64_t j = 0; j < Lk; ++j) {
+          if (!keep[static_cast<std::size_t>(j)] || s[static_cast<std::size_t>(j)] == -kInf) continue;
           for (std::int64_t c = 0; c < d; ++c)
             r.o[orow + static_cast<std::size_t>(c)] +=
                 p[static_cast<std::size_t>(j)] / sum *
                 pr.v[static_cast<std::size_t>(((b * Lk + j) * pr.Hkv + hk) * d + c)];
+        }
       }
     }
   return r;
@@ -237,8 +254,10 @@ inline std::vector<bool> near_tie_rows(const problem& pr, double bound) {
 }
 
 /// Largest |a - b| / (1 + |b|) over finite pairs; a NaN or infinity mismatch (in position or sign)
-/// counts as infinity, so non-finite values are compared, never skipped.
+/// counts as infinity, so non-finite values are compared, never skipped; so do vectors of different
+/// sizes (a missing output must not pass as a perfect match).
 inline double max_rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return kInf;
   double e = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
     if (std::isnan(a[i]) || std::isnan(b[i])) {

@@ -6,8 +6,9 @@
 // carry rounding, bounded by (16 + Lk) * eps_f32 * max|v| (+ half an ulp of a 16-bit output type).
 // The compressed values, indices and metadata are then checked bit for bit against a computation
 // written here (scores in double, a stable sort per group, the scale applied in fp32, metadata by
-// dfss::nm_metadata_encode). On random inputs, rows where some group's N-th and (N+1)-th scores lie
-// within the fp32 dot-product error bound are excluded and counted (at most 2%).
+// dfss::nm_metadata_encode). On random inputs (every input type, rounded before the reference
+// sees them), rows where some group's N-th and (N+1)-th scores lie within the fp32 dot-product
+// error bound are excluded from the comparison with the reference and counted (at most 2%).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -309,46 +310,65 @@ TEST(CpuThreeStage, MatchesReferenceAndCompressedOutputsAreExactOnIntegerInputs)
 
 
 TEST(CpuThreeStage, MatchesReferenceAndFusedOnRandomInputs) {
+  // Random reals in every input type, against the fp64 reference on the same (rounded) inputs and
+  // against the fused kernel (which shares the selection code, so it is no oracle of it): O and LSE
+  // of every row whose selection cannot flip, and the LSE of every row against the fused kernel.
   std::mt19937_64 rng(test_seed() + 22);
   int variant = 0;
   for (auto pr : shapes(rng, /*integers=*/false)) {
     pr.has_bias = false;  // keep the near-tie analysis to Q K^T alone
-    pr.q = round_through<float>(pr.q);  // the fp64 oracle sees exactly the kernel's inputs
-    pr.k = round_through<float>(pr.k);
-    pr.v = round_through<float>(pr.v);
-    const auto want = run_forward(pr);
-    ts_options opt;
-    opt.type = dtype::f32;
-    opt.bhld = variant++ % 2 == 1;
-    const auto got = run_cpu(pr, opt);
-    opt.algorithm = cpu_algorithm::fused;
-    const auto fused = run_cpu(pr, opt);
-    // fp32 dot products of d terms in [-1, 1]: error below d * eps_f32 (times 4 for margin).
-    const auto ties = near_tie_rows(pr, 4.0 * static_cast<double>(pr.d) * kEps32);
-    std::size_t skipped = 0;
-    for (std::size_t r = 0; r < ties.size(); ++r) {
-      // On a near-tie row the fp32 kernels may keep a different key than the fp64 reference (and,
-      // with differently contracted arithmetic, than each other).
-      if (ties[r]) {
-        ++skipped;
-        continue;
+    for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
+      problem rounded = pr;  // the fp64 oracle sees exactly the kernel's inputs
+      for (auto* x : {&rounded.q, &rounded.k, &rounded.v}) {
+        if (t == dtype::f32) *x = round_through<float>(*x);
+        if (t == dtype::f16) *x = round_through<half>(*x);
+        if (t == dtype::bf16) *x = round_through<bfloat16>(*x);
       }
-      for (std::int64_t c = 0; c < pr.d; ++c) {
-        const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
-        ASSERT_NEAR(got.o[x], want.o[x], output_tol(pr, dtype::f32)) << pr.describe() << " row " << r;
-        ASSERT_NEAR(got.o[x], fused.o[x], 2 * output_tol(pr, dtype::f32)) << pr.describe() << " row " << r << " vs fused";
+      const auto want = run_forward(rounded);
+      ts_options opt;
+      opt.type = t;
+      opt.out_type = dtype::f32;
+      opt.bhld = variant++ % 2 == 1;
+      const auto got = run_cpu(rounded, opt);
+      opt.algorithm = cpu_algorithm::fused;
+      const auto fused = run_cpu(rounded, opt);
+      const std::string what = rounded.describe() + " " + dtype_name(t);
+      // fp32 dot products of d terms in [-1, 1]: error below d * eps_f32 (times 4 for margin). On a
+      // near-tie row the fp32 kernels may keep a different key than the fp64 reference (and, with
+      // differently contracted arithmetic, than each other); it is skipped and counted.
+      const auto ties = near_tie_rows(rounded, 4.0 * static_cast<double>(rounded.d) * kEps32);
+      std::size_t skipped = 0;
+      for (std::size_t r = 0; r < ties.size(); ++r) {
+        if (ties[r]) {
+          ++skipped;
+          continue;
+        }
+        for (std::int64_t c = 0; c < rounded.d; ++c) {
+          const std::size_t x = r * static_cast<std::size_t>(rounded.d) + static_cast<std::size_t>(c);
+          ASSERT_NEAR(got.o[x], want.o[x], output_tol(rounded, dtype::f32)) << what << " row " << r;
+          ASSERT_NEAR(got.o[x], fused.o[x], 2 * output_tol(rounded, dtype::f32)) << what << " row " << r << " vs fused";
+        }
       }
+      const double lse_tol = (16.0 + static_cast<double>(rounded.Lk)) * kEps32;
+      for (std::int64_t b = 0; b < rounded.B; ++b)
+        for (std::int64_t h = 0; h < rounded.H; ++h)
+          for (std::int64_t i = 0; i < rounded.Lq; ++i) {
+            const auto x = static_cast<std::size_t>((b * rounded.H + h) * rounded.Lq + i);
+            const bool tie = ties[static_cast<std::size_t>((b * rounded.Lq + i) * rounded.H + h)];
+            if (std::isinf(want.lse[x])) {
+              ASSERT_EQ(got.lse[x], want.lse[x]) << what;
+            } else if (!tie) {
+              ASSERT_NEAR(got.lse[x], want.lse[x], lse_tol * (1 + std::abs(want.lse[x]))) << what << " lse " << x;
+            }
+            // LSE is continuous in the scores, so a flipped selection in a near tie barely moves it.
+            if (std::isfinite(fused.lse[x])) {
+              ASSERT_NEAR(got.lse[x], fused.lse[x], 2 * lse_tol * (1 + std::abs(fused.lse[x]))) << what << " vs fused";
+            } else {
+              ASSERT_EQ(got.lse[x], fused.lse[x]) << what << " vs fused";
+            }
+          }
+      EXPECT_LE(skipped, ties.size() / 50 + 1) << "too many near-tie rows to be a meaningful test: " << what;
     }
-    for (std::size_t x = 0; x < got.lse.size(); ++x) {
-      // LSE is continuous in the scores, so a flipped selection in a near tie barely moves it.
-      if (std::isinf(fused.lse[x])) {
-        ASSERT_EQ(got.lse[x], fused.lse[x]) << pr.describe();
-      } else {
-        ASSERT_NEAR(got.lse[x], fused.lse[x], 2 * (16.0 + static_cast<double>(pr.Lk)) * kEps32 * (1 + std::abs(fused.lse[x])))
-            << pr.describe();
-      }
-    }
-    EXPECT_LE(skipped, ties.size() / 50 + 1) << "too many near-tie rows to be a meaningful test";
   }
 }
 

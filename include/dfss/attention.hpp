@@ -1,6 +1,6 @@
 // dfss/attention.hpp: batched multi-head attention with dynamic N:M (DFSS) pruning.
 //
-// The function is fixed by dfss-semantics.md: S = Q K^T (+ bias, masks), in every aligned group of M
+// The function is fixed by docs/semantics.md: S = Q K^T (+ bias, masks), in every aligned group of M
 // keys keep the N largest signed scores (ties to the lower key index), softmax(scale * S_kept), P V.
 // Layout: Q [B, Lq, H, d], K and V [B, Lk, Hkv, d] with any element strides (so both [B, L, H, d]
 // and [B, H, L, d] memory work without copies); H must be a multiple of Hkv.

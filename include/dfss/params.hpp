@@ -47,7 +47,7 @@ struct attention_params {
   void* lse = nullptr;
   std::int64_t lse_stride[3] = {};
 
-  // The function (see dfss-semantics.md).
+  // The function (see docs/semantics.md).
   int pattern_n = 2;
   int pattern_m = 4;
   /// Softmax scale applied after selection (already resolved: never a default marker here).

@@ -44,7 +44,7 @@ def mask_to_bias(mask, batch, heads, seqlen_q, seqlen_k, dtype, scale, name="att
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
               pattern="2:4", key_lengths=None, layout="bhld", return_lse=False):
     """DFSS attention: in every aligned group of M keys of a row keep the N largest scores, then
-    softmax and the product with V over the kept ones (dfss-semantics.md).
+    softmax and the product with V over the kept ones (docs/semantics.md).
 
     Mirrors ``torch.nn.functional.scaled_dot_product_attention``: query [B, H, Lq, d], key and value
     [B, Hkv, Lk, d] (layout="bhld", the default; layout="blhd" takes [B, L, H, d] as FlashAttention

@@ -4,7 +4,7 @@
 // 16-byte vectors, two passes (the second re-reads the row from L2): an online max / sum, then
 // P = exp2(t - max) / sum written in place as T, and LSE = ln 2 (max + log2 sum).
 //
-// Special rows (dfss-semantics.md): a row with no finite kept score writes zeros and LSE -inf; a
+// Special rows (docs/semantics.md): a row with no finite kept score writes zeros and LSE -inf; a
 // NaN kept score makes the whole row NaN (as dense softmax would), LSE NaN.
 #include <cmath>
 

@@ -1,5 +1,5 @@
 // The fp64 scalar reference backend: the oracle of every test and the "reference" backend of the
-// public API. It follows dfss-semantics.md literally, one query row at a time, in double precision.
+// public API. It follows docs/semantics.md literally, one query row at a time, in double precision.
 #pragma once
 
 #include "dfss/error.hpp"

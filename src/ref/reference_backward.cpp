@@ -1,4 +1,4 @@
-// fp64 reference backward (see reference.hpp and dfss-semantics.md): the selection is held fixed,
+// fp64 reference backward (see reference.hpp and docs/semantics.md): the selection is held fixed,
 //   dV = P^T dO,  dP = dO V^T on kept entries,  dS = P * (dP - rowsum(dO * O)),
 //   dQ = scale * dS K,  dK = scale * dS^T Q,  dBias = scale * dS (summed over broadcast dimensions).
 #include <omp.h>

@@ -1,4 +1,4 @@
-// fp64 reference forward (see reference.hpp and dfss-semantics.md).
+// fp64 reference forward (see reference.hpp and docs/semantics.md).
 #include <omp.h>
 
 #include <atomic>

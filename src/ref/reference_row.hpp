@@ -41,7 +41,7 @@ struct row_result {
   double lse = 0.0;            ///< log-sum-exp of scale * kept scores; -inf for an empty row
 };
 
-/// @brief Computes row @p i of (batch @p b, head @p h) per dfss-semantics.md.
+/// @brief Computes row @p i of (batch @p b, head @p h) per docs/semantics.md.
 inline void compute_row(const attention_params& p, const kv_block& kv, std::int64_t b, std::int64_t h,
                         std::int64_t i, row_result& r) {
   const std::int64_t L = p.seqlen_k, d = p.head_dim;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """End-to-end tests of the `dfss attention` command on .npy files.
 
-The expected values come from an independent NumPy implementation of dfss-semantics.md written here
+The expected values come from an independent NumPy implementation of docs/semantics.md written here
 (dense score matrix, masks, stable-sort selection per group, softmax over kept entries, and the
 matrix-form backward), so the reference backend is checked against a third formulation to 1e-12.
 
@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised on machines without numpy
 
 
 def semantics_forward(q, k, v, n, m, causal=False, scale=None, lens=None, bias=None):
-    """O [B, Lq, H, d], LSE [B, H, Lq] and the keep mask [B, H, Lq, Lk] per dfss-semantics.md."""
+    """O [B, Lq, H, d], LSE [B, H, Lq] and the keep mask [B, H, Lq, Lk] per docs/semantics.md."""
     B, Lq, H, d = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(d) if scale is None else scale

@@ -29,7 +29,7 @@ from test_cli import DfssCliCase, rel_err, semantics_forward  # noqa: E402  (sha
 
 
 def masked_scores(q, k, causal=False, lens=None, bias=None):
-    """Masked scores S [B, H, Lq, Lk] in float64 (-inf where masked), as in dfss-semantics.md."""
+    """Masked scores S [B, H, Lq, Lk] in float64 (-inf where masked), as in docs/semantics.md."""
     B, Lq, H, _ = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
     kk = np.repeat(k.astype(np.float64), H // Hkv, axis=2)

@@ -110,7 +110,7 @@ struct naive_result {
   std::vector<unsigned char> keep;
 };
 
-/// An independent, literal implementation of dfss-semantics.md for packed [B, L, H, d] fp64 data:
+/// An independent, literal implementation of docs/semantics.md for packed [B, L, H, d] fp64 data:
 /// materialises the masked score matrix and selects by sorting each group's indices (value
 /// descending, NaN first, ties to the lower index). It shares no code with the library.
 inline naive_result naive_forward(const problem& pr) {

@@ -1,4 +1,4 @@
-"""An independent float64 PyTorch implementation of dfss-semantics.md (shares no code with dfss).
+"""An independent float64 PyTorch implementation of docs/semantics.md (shares no code with dfss).
 
 Dense score matrix, masks, per-group top-N by explicit pairwise ranking (ties to the lower key
 index, NaN ranks highest), softmax over the kept scores, P V. Differentiable by autograd with the

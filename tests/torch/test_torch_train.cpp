@@ -1,6 +1,6 @@
 // LibTorch test of dfss::torch::attention: trains a tiny attention model for a few SGD steps through
 // the operator and checks, at every step, the loss and every parameter gradient against an
-// independent float64 LibTorch implementation of dfss-semantics.md (reference_attention below:
+// independent float64 LibTorch implementation of docs/semantics.md (reference_attention below:
 // dense scores, masks, pairwise group ranking with ties to the lower key index, softmax over the
 // kept scores; autograd differentiates it with the selection held fixed). Also checks the
 // operator's error for a bad argument. Exit code 0 = pass, 1 = failure (printed).

@@ -1,5 +1,5 @@
-// Non-finite and extreme inputs (docs/semantics.md, "Non-finite and extreme inputs";
-// dfss-semantics.md step 2) against every CPU kernel: the fused generic, portable and AVX2 forwards,
+// Non-finite and extreme inputs (docs/semantics.md, "Non-finite and extreme inputs"
+// and forward step 2) against every CPU kernel: the fused generic, portable and AVX2 forwards,
 // the three-stage pipeline and the three backwards, with f32, f16 and bf16 inputs; the fp64
 // reference itself is checked against the independent naive implementation of testing.hpp.
 //

@@ -257,7 +257,7 @@ TEST(Reference, NaNPropagatesToAffectedRowsOnly) {
 }
 
 /// Independent backward in matrix form from the naive forward's keep mask:
-/// P dense with zeros where pruned, then the formulas of dfss-semantics.md.
+/// P dense with zeros where pruned, then the formulas of docs/semantics.md.
 backward_result naive_backward(const problem& pr) {
   const auto f = naive_forward(pr);
   backward_result g;

@@ -13,7 +13,7 @@ namespace dfss::cuda::warp {
 /// -inf without library calls (valid in host and device code).
 DFSS_HD float neg_inf_f32() { return -__builtin_huge_valf(); }
 
-/// Which keys a row sees (dfss-semantics.md, forward step 2): keys past the end (padding of the
+/// Which keys a row sees (docs/semantics.md, forward step 2): keys past the end (padding of the
 /// last tile), keys at or past the batch's valid length, and with a causal mask keys after
 /// row + causal_offset (causal_offset = Lk - Lq: bottom-right alignment) are masked to -inf.
 struct score_mask {

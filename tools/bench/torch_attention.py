@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch peer of `dfss bench`: times dense attention in PyTorch on the CPU, fp32.
+"""PyTorch peer of `dfss bench`: times dense attention in PyTorch on the CPU (fp32, optionally bf16/fp16).
 
 `dfss bench` runs this script once per Python interpreter that can import torch (and, for torch 1.x,
 once more with the "tuned" environment of shared/reference/cpu-baselines.md), with the thread
@@ -17,6 +17,12 @@ max in milliseconds; when one call is slow, the number of calls is reduced so th
 takes about `budget` seconds (never fewer than 3 timed calls), as dfss bench does for its own rows.
 The error column is the max abs difference to the same method computed in float64 on the first
 `ref_rows` query rows of every head.
+
+--dtypes fp32,bf16 (dfss bench --dtype bf16 passes it): every length is also timed with q, k, v (and
+dO) rounded to the 16-bit type, for the methods of --low-precision-methods only (default sdpa: the
+fair peer of a 16-bit dfss kernel; bmm + softmax + bmm in bf16 is not what anyone would run). The
+inputs are the fp32 draws rounded, so the rows of each dtype see the same values up to rounding, and
+the error is against float64 of the rounded inputs. Rows carry "dtype".
 
 --mode backward (dfss bench --backward): every timed call is forward + backward through autograd:
 q, k, v are leaf tensors with requires_grad, their .grad is set to None before each call (as
@@ -74,6 +80,9 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=2023)
     ap.add_argument("--ref-rows", type=int, default=32)
     ap.add_argument("--methods", default="bmm,sdpa")
+    ap.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16, fp16")
+    ap.add_argument("--low-precision-methods", default="sdpa",
+                    help="the methods timed for the 16-bit dtypes of --dtypes")
     ap.add_argument("--mode", default="forward", choices=["forward", "backward"],
                     help="forward: forward calls; backward: forward + backward through autograd")
     ap.add_argument("--ref-length", type=int, default=256,
@@ -115,6 +124,16 @@ def main(argv):
     lengths = [int(x) for x in args.lengths.split(",") if x]
     methods = [m for m in args.methods.split(",") if m]
     B, H, d = args.batch, args.heads, args.head_dim
+    dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    dtypes = [x for x in args.dtypes.split(",") if x]
+    for name in dtypes:
+        if name not in dtype_of:
+            raise SystemExit("--dtypes: expected fp32, bf16 or fp16, got '%s'" % name)
+    low_methods = [m for m in args.low_precision_methods.split(",") if m]
+
+    def plan():  # (dtype name, torch dtype, method) in timing order
+        return [(name, dtype_of[name], m) for name in dtypes for m in methods
+                if name == "fp32" or m in low_methods]
     scale = 1.0 / math.sqrt(d)
 
     def bmm_attention(q, k, v):  # [B*H, L, d]
@@ -136,7 +155,7 @@ def main(argv):
         sdpa_label = "sdpa"
 
     if args.mode == "backward":
-        info["results"] = run_backward(torch, args, lengths, methods, B, H, d, scale, bmm_attention, sdpa,
+        info["results"] = run_backward(torch, args, lengths, plan(), B, H, d, scale, bmm_attention, sdpa,
                                        sdpa_label)
         emit(info)
         return 0
@@ -144,12 +163,13 @@ def main(argv):
     results = []
     with torch.inference_mode():
         for L in lengths:
-            q = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
-            k = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
-            v = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
+            q32 = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
+            k32 = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
+            v32 = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
             R = min(args.ref_rows, L)
-            for method in methods:
-                row = {"B": B, "H": H, "L": L, "d": d}
+            for dtype_name, dtype, method in plan():
+                q, k, v = q32.to(dtype), k32.to(dtype), v32.to(dtype)
+                row = {"B": B, "H": H, "L": L, "d": d, "dtype": dtype_name}
                 if method == "bmm":
                     row["method"] = "bmm+softmax+bmm"
                     fn = bmm_attention
@@ -199,7 +219,7 @@ def main(argv):
     return 0
 
 
-def run_backward(torch, args, lengths, methods, B, H, d, scale, bmm_attention, sdpa, sdpa_label):
+def run_backward(torch, args, lengths, plan, B, H, d, scale, bmm_attention, sdpa, sdpa_label):
     """--mode backward: forward + backward through autograd, timed together; see the module docstring."""
 
     def bmm_leaves(q, k, v):  # leaves [B, H, L, d] -> the bmm layout [B*H, L, d] (views, differentiable)
@@ -209,11 +229,14 @@ def run_backward(torch, args, lengths, methods, B, H, d, scale, bmm_attention, s
     def same(q, k, v):
         return q, k, v
 
-    def leaves_of(L, gen, dtype):
-        ts = [torch.randn(B, H, L, d, generator=gen, dtype=torch.float32).to(dtype) for _ in range(4)]
-        for t in ts[:3]:
+    def leaves_of(L, gen):
+        return [torch.randn(B, H, L, d, generator=gen, dtype=torch.float32) for _ in range(4)]
+
+    def as_leaves(ts, dtype):  # fp32 draws -> leaves of dtype (q, k, v require grad), dO
+        out = [t.detach().to(dtype) for t in ts]
+        for t in out[:3]:
             t.requires_grad_(True)
-        return ts  # q, k, v, dO
+        return out
 
     def fwd_bwd(fn, layout, q, k, v, dout):
         for t in (q, k, v):
@@ -221,10 +244,11 @@ def run_backward(torch, args, lengths, methods, B, H, d, scale, bmm_attention, s
         out = fn(*layout(q, k, v))
         out.backward(dout.reshape(out.shape))
 
-    def grad_error(fn, layout, L):
-        # The reduced problem: fp32 gradients of the method against float64 autograd of the math.
+    def grad_error(fn, layout, L, dtype):
+        # The reduced problem: the method's gradients in dtype against float64 autograd of the math
+        # on the same (rounded) inputs.
         gen = torch.Generator().manual_seed(args.seed + L)
-        q, k, v, dout = leaves_of(L, gen, torch.float32)
+        q, k, v, dout = as_leaves(leaves_of(L, gen), dtype)
         fwd_bwd(fn, layout, q, k, v, dout)
         got = [t.grad.double() for t in (q, k, v)]
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
@@ -237,10 +261,11 @@ def run_backward(torch, args, lengths, methods, B, H, d, scale, bmm_attention, s
     results = []
     with torch.enable_grad():
         for L in lengths:
-            q, k, v, dout = leaves_of(L, gen, torch.float32)
+            draws = leaves_of(L, gen)
             Le = min(args.ref_length, L)
-            for method in methods:
-                row = {"B": B, "H": H, "L": L, "d": d, "ref_length": Le}
+            for dtype_name, dtype, method in plan:
+                q, k, v, dout = as_leaves(draws, dtype)
+                row = {"B": B, "H": H, "L": L, "d": d, "ref_length": Le, "dtype": dtype_name}
                 if method == "bmm":
                     row["method"] = "bmm+softmax+bmm"
                     fn, layout = bmm_attention, bmm_leaves
@@ -273,7 +298,7 @@ def run_backward(torch, args, lengths, methods, B, H, d, scale, bmm_attention, s
                         ms.append((time.perf_counter() - t0) * 1e3)
                     row.update({
                         "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
-                        "iters": iters, "max_err": grad_error(fn, layout, Le) if args.ref_rows > 0 else None,
+                        "iters": iters, "max_err": grad_error(fn, layout, Le, dtype) if args.ref_rows > 0 else None,
                     })
                 except Exception as e:  # noqa: BLE001 - report, keep going
                     row["error"] = "%s: %s" % (type(e).__name__, e)

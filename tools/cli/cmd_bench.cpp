@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -84,9 +85,10 @@ struct bench_options {
   long long ref_rows = 32;
   std::string json;
   bool no_torch = false, no_torch_tuned = false, no_sgemm = false, no_ref = false;
-  std::vector<std::string> python{"/usr/bin/python3", "python3"};
+  std::vector<std::string> python;  // default: default_pythons()
   std::string torch_script;
   bool backward = false;
+  bool progress = false;  // the progress line also when stderr is not a terminal
   // --memory
   bool memory = false;
   std::vector<long long> memory_lengths{1024, 16384};
@@ -102,6 +104,32 @@ CLI::Option* g_lengths_option = nullptr;  // to tell a given --lengths from the 
 constexpr long long kBackwardRefLength = 256;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+/// The venv of tools/scripts/torch2-venv.sh: $DFSS_TORCH2_VENV, else
+/// ${XDG_CACHE_HOME:-$HOME/.cache}/dfss/torch2-venv (the script's default).
+std::string torch2_venv_dir() {
+  if (const char* v = std::getenv("DFSS_TORCH2_VENV"); v != nullptr && *v != '\0') return v;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0')
+    return std::string(x) + "/dfss/torch2-venv";
+  if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0') return std::string(h) + "/.cache/dfss/torch2-venv";
+  return {};
+}
+
+/// --python's default: Debian's python3 (torch 1.13), the torch 2.x venv when it exists, python3 on PATH.
+std::vector<std::string> default_pythons() {
+  std::vector<std::string> v{"/usr/bin/python3"};
+  const std::string venv = torch2_venv_dir();
+  if (!venv.empty() && access((venv + "/bin/python").c_str(), X_OK) == 0) v.push_back(venv + "/bin/python");
+  v.push_back("python3");
+  return v;
+}
+
+/// The canonical name of a dtype as the table and the torch script write it (fp32, bf16, fp16).
+std::string dtype_label(const std::string& dfss_name) {
+  if (dfss_name == "bf16" || dfss_name == "bfloat16") return "bf16";
+  if (dfss_name == "f16" || dfss_name == "fp16" || dfss_name == "float16") return "fp16";
+  return "fp32";
+}
 
 // ---------------------------------------------------------------------------------------------
 // Small utilities
@@ -158,16 +186,28 @@ std::string self_exe() {
 
 bool file_exists(const std::string& path) { return !path.empty() && access(path.c_str(), R_OK) == 0; }
 
+/// "AMD EPYC (family 25 model 17)": the model name of /proc/cpuinfo, with the family and model
+/// numbers, which tell apart CPUs that a VM names alike (Zen 3 is family 25 model 1, Zen 4 model 17).
 std::string cpu_model() {
   std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line)) {
+  std::string line, name, family, model;
+  auto value = [&line] {
+    const auto colon = line.find(':');
+    return colon == std::string::npos ? std::string{} : trim(line.substr(colon + 1));
+  };
+  while (std::getline(f, line) && line != "") {
     if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return trim(line.substr(colon + 1));
+      name = value();
+    } else if (line.rfind("cpu family", 0) == 0) {
+      family = value();
+    } else if (line.rfind("model", 0) == 0 && line.find(':') != std::string::npos &&
+               trim(line.substr(0, line.find(':'))) == "model") {
+      model = value();
     }
   }
-  return "unknown";
+  if (name.empty()) name = "unknown";
+  if (!family.empty() && !model.empty()) name += " (family " + family + " model " + model + ")";
+  return name;
 }
 
 /// The 1-minute load average (other processes competing for the cores make every number noisier).
@@ -198,6 +238,84 @@ std::string git_commit() {
     head += " (uncommitted changes)";
   }
   return head;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The progress line (stderr): which row, how many left, time so far
+// ---------------------------------------------------------------------------------------------
+
+/// On a terminal one line redrawn in place; with --progress and stderr not a terminal, one line per
+/// step; otherwise nothing. The other messages on stderr go through log() so the line stays last.
+class progress_line {
+ public:
+  void enable(bool on, bool tty) {
+    on_ = on;
+    tty_ = tty;
+    t0_ = std::chrono::steady_clock::now();
+  }
+  void add_rows(int n) { total_ += n; }
+  /// Row `done + 1` of `total` starts (or, with rows > 1, a group of rows is timed together).
+  void show(int first_row, int rows, const std::string& what) {
+    if (!on_) return;
+    const int last = first_row + rows - 1;
+    const int secs = static_cast<int>(elapsed_ms(t0_) / 1e3);
+    char head[96];
+    if (rows > 1) {
+      std::snprintf(head, sizeof head, "[dfss bench] rows %d-%d of %d (%d left)", first_row, last, total_,
+                    total_ - last);
+    } else {
+      std::snprintf(head, sizeof head, "[dfss bench] row %d of %d (%d left)", first_row, total_, total_ - last);
+    }
+    current_ = std::string(head) + ", " + what + ", " + std::to_string(secs / 60) + "m" +
+               (secs % 60 < 10 ? "0" : "") + std::to_string(secs % 60) + "s so far";
+    draw();
+  }
+  /// One message line on stderr, above the progress line.
+  void log(const std::string& line) {
+    clear();
+    std::fprintf(stderr, "%s\n", line.c_str());
+    if (tty_) draw();
+  }
+  void done() {
+    clear();
+    current_.clear();
+  }
+
+ private:
+  void draw() {
+    if (!on_ || current_.empty()) return;
+    if (tty_) {
+      std::fprintf(stderr, "\r\033[K%s", current_.c_str());  // ESC[K: erase to the end of the line
+    } else {
+      std::fprintf(stderr, "%s\n", current_.c_str());
+    }
+    std::fflush(stderr);
+  }
+  void clear() {
+    if (on_ && tty_ && !current_.empty()) std::fprintf(stderr, "\r\033[K");
+  }
+  static double elapsed_ms(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  bool on_ = false, tty_ = false;
+  int total_ = 0;
+  std::string current_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+progress_line g_progress;
+int g_rows_done = 0;  // rows measured so far (dfss configurations, torch runs)
+
+/// printf to stderr through the progress line.
+[[gnu::format(printf, 1, 2)]] void log_stderr(const char* format, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, format);
+  std::vsnprintf(buf, sizeof buf, format, ap);
+  va_end(ap);
+  std::string line = buf;
+  if (!line.empty() && line.back() == '\n') line.pop_back();
+  g_progress.log(line);
 }
 
 struct stats {
@@ -258,11 +376,14 @@ struct row {
   std::string algorithm;  // "fused", "three-stage", or the torch label
   std::string isa;        // requested ISA (dfss rows)
   std::string kernel;     // selector name, or the torch interpreter
+  std::string dtype;      // input type: fp32, bf16, fp16 (dfss: --dtype; torch: the script's row)
   bool ok = false;
   std::string reason;  // why not ok
   int iters = 0;
   stats ms;
   double gflops = kNaN, speedup = kNaN, max_err = kNaN;
+  double vs_sdpa = kNaN;       // median of the SDPA row (torch 2.x, same L and dtype) / this row's
+  double sgemm_share = kNaN;   // GFLOP/s / the sgemm yardstick's GFLOP/s
 };
 
 /// Dense-equivalent flops per head and Lq Lk d: 4 for a forward call (Q K^T and P V), 14 for forward +
@@ -470,7 +591,7 @@ double backward_max_error(const attention_config& cfg, long long L, dtype type) 
   const std::string key = cfg.pattern.str() + "|" + std::to_string(static_cast<int>(cfg.cpu_isa)) + "|" +
                           std::to_string(Le);
   if (const auto it = cache.find(key); it != cache.end()) return it->second;
-  std::fprintf(stderr, "  L=%lld %s: gradient error vs fp64 reference backward at L=%lld\n", L,
+  log_stderr("  L=%lld %s: gradient error vs fp64 reference backward at L=%lld\n", L,
                cfg.pattern.str().c_str(), static_cast<long long>(Le));
   const auto n = static_cast<std::size_t>(B * Le * H * d);
   std::mt19937_64 rng(g_opt.seed + static_cast<unsigned long long>(Le));
@@ -525,6 +646,23 @@ double backward_max_error(const attention_config& cfg, long long L, dtype type) 
   return err;
 }
 
+/// Whether (algorithm, pattern, index of the ISA in --isa) is a row of the table. Three-stage rows are
+/// made for the sparse patterns (the three-stage pipeline of dense attention is not the paper's),
+/// once, not per ISA (the selector has one three-stage kernel), and not with --backward (no backward).
+bool makes_row(cpu_algorithm algorithm, const pattern& p, std::size_t isa_index) {
+  return algorithm != cpu_algorithm::three_stage || !(p.is_dense() || isa_index > 0 || g_opt.backward);
+}
+
+/// dfss rows per length (for the progress line).
+int dfss_rows_per_length() {
+  int n = 0;
+  for (std::size_t ii = 0; ii < g_opt.isas.size(); ++ii)
+    for (const auto& pat : g_opt.patterns)
+      for (const auto& alg : g_opt.algorithms)
+        n += makes_row(parse_cpu_algorithm_arg(alg), pattern::parse(pat, "--patterns"), ii) ? 1 : 0;
+  return n;
+}
+
 void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result& sg) {
   const std::int64_t B = g_opt.batch, H = g_opt.heads, d = g_opt.head_dim;
   const auto n = static_cast<std::size_t>(B * L * H * d);
@@ -544,16 +682,14 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   a.k = k.view(B, L, H, d);
   a.v = v.view(B, L, H, d);
 
-  // The configurations of this shape. Three-stage rows are made for the sparse patterns (the
-  // three-stage pipeline of dense attention is not the paper's) and once, not per ISA (the selector
-  // has one three-stage kernel).
+  // The configurations of this shape (makes_row).
   std::vector<std::unique_ptr<run_state>> runs;
   for (std::size_t ii = 0; ii < g_opt.isas.size(); ++ii) {
     for (const auto& pat : g_opt.patterns) {
       for (const auto& alg : g_opt.algorithms) {
         const cpu_algorithm algorithm = parse_cpu_algorithm_arg(alg);
         const pattern p = pattern::parse(pat, "--patterns");
-        if (algorithm == cpu_algorithm::three_stage && (p.is_dense() || ii > 0 || g_opt.backward)) continue;
+        if (!makes_row(algorithm, p, ii)) continue;
         auto s = std::make_unique<run_state>();
         s->cfg.pattern = p;
         s->cfg.backend = backend::cpu;
@@ -565,6 +701,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
         s->r.H = H;
         s->r.L = L;
         s->r.d = d;
+        s->r.dtype = dtype_label(g_opt.dtype_name);
         s->r.pattern = p.str();
         s->r.algorithm = algorithm == cpu_algorithm::fused ? "fused" : "three-stage";
         s->r.isa = algorithm == cpu_algorithm::fused ? g_opt.isas[ii] : "-";
@@ -574,7 +711,11 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   }
 
   // Selection, first call (which also sizes the iteration count) and warmup.
-  for (auto& s : runs) {
+  const int first_row = g_rows_done + 1;
+  for (std::size_t ri = 0; ri < runs.size(); ++ri) {
+    auto& s = runs[ri];
+    g_progress.show(first_row + static_cast<int>(ri), 1,
+                    "L=" + std::to_string(L) + " " + s->r.pattern + " " + s->r.algorithm + ": first call and warmup");
     s->out.assign(n, 0.0f);
     a.out = make_view(s->out.data(), {B, L, H, d});
     kernel_selection sel = select_kernel(a, s->cfg);
@@ -600,8 +741,8 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
       s->r.reason = sel.reason;
       continue;
     }
-    std::fprintf(stderr, "  L=%lld %s %s (%s): warmup\n", L, s->r.pattern.c_str(), s->r.algorithm.c_str(),
-                 s->r.kernel.c_str());
+    log_stderr("  L=%lld %s %s (%s): warmup\n", L, s->r.pattern.c_str(), s->r.algorithm.c_str(),
+               s->r.kernel.c_str());
     const auto t0 = std::chrono::steady_clock::now();
     const status st = call_once(a, *s, dout_view, B, L, H, d);
     const double first = elapsed_ms(t0);
@@ -616,6 +757,9 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   }
   // Timed calls, round-robin over the configurations (and one sgemm yardstick call per round).
   for (int it = 0;; ++it) {
+    g_progress.show(first_row, static_cast<int>(runs.size()),
+                    "L=" + std::to_string(L) + ": timed round " + std::to_string(it + 1) + " of up to " +
+                        std::to_string(g_opt.iters));
     if (it < g_opt.iters) sg.time_one();
     bool any = false;
     for (auto& s : runs) {
@@ -634,6 +778,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     if (!any) break;
   }
 
+  g_rows_done += static_cast<int>(runs.size());
   // --backward: the gradient error on the reduced problem (see backward_max_error).
   if (g_opt.backward) {
     for (auto& s : runs) {
@@ -673,8 +818,8 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     if (g_opt.no_ref || R == 0) continue;
     auto [it, inserted] = refs.try_emplace(r.pattern);
     if (inserted) {
-      std::fprintf(stderr, "  L=%lld %s: fp64 reference on %lld query rows per head\n", L, r.pattern.c_str(),
-                   static_cast<long long>(R));
+      log_stderr("  L=%lld %s: fp64 reference on %lld query rows per head\n", L, r.pattern.c_str(),
+                 static_cast<long long>(R));
       it->second.assign(static_cast<std::size_t>(B * R * H * d), 0.0);
       forward_args ra;
       ra.q = make_view(qd.data(), {B, R, H, d});
@@ -741,13 +886,15 @@ std::string torch_env(bool tuned) {
   return env + " ";
 }
 
-void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
+/// The interpreters of --python that import torch, one per torch version (asked before the dfss rows
+/// so that the progress line knows the number of rows from the start).
+std::vector<torch_peer> probe_torch_peers(std::vector<std::string>& notes) {
+  std::vector<torch_peer> peers;
   const std::string script = find_torch_script();
   if (script.empty()) {
     notes.push_back("torch: tools/bench/torch_attention.py not found (use --torch-script PATH)");
-    return;
+    return peers;
   }
-  std::vector<torch_peer> peers;
   std::set<std::string> versions;
   for (const auto& py : g_opt.python) {
     int rc = 0;
@@ -772,21 +919,34 @@ void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
                     "): torch " + p.version);
     peers.push_back(p);
   }
+  return peers;
+}
+
+/// torch 1.x is also measured "tuned" (cpu-baselines.md): passive OpenMP waiting and huge pages for
+/// glibc malloc, which removes most of its page-fault and spin costs on this kind of VM.
+bool runs_tuned(const torch_peer& peer) {
+  return !peer.version.empty() && peer.version[0] == '1' && !g_opt.no_torch_tuned;
+}
+
+void bench_torch(const std::vector<torch_peer>& peers, std::vector<row>& rows, std::vector<std::string>& notes) {
+  const std::string script = find_torch_script();
+  // The torch dtypes: fp32 always (the peer of dfss fp32 and of the fp32 rows), plus the dfss input
+  // type when it is 16-bit (SDPA on the same bf16/fp16 inputs is the fair peer of a 16-bit kernel).
+  const std::string label = dtype_label(g_opt.dtype_name);
+  const std::string torch_dtypes = label == "fp32" ? "fp32" : "fp32," + label;
   for (const auto& peer : peers) {
-    // torch 1.x is also measured "tuned" (cpu-baselines.md): passive OpenMP waiting and huge pages
-    // for glibc malloc, which removes most of its page-fault and spin costs on this kind of VM.
-    const bool old = !peer.version.empty() && peer.version[0] == '1';
     for (bool tuned : {false, true}) {
-      if (tuned && (!old || g_opt.no_torch_tuned)) continue;
+      if (tuned && !runs_tuned(peer)) continue;
       std::ostringstream cmd;
       cmd << torch_env(tuned) << shell_quote(peer.python) << " " << shell_quote(script) << " --lengths "
           << join(g_opt.lengths) << " --batch " << g_opt.batch << " --heads " << g_opt.heads << " --head-dim "
           << g_opt.head_dim << " --threads " << g_opt.threads << " --warmup " << g_opt.warmup << " --iters "
           << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
-          << g_opt.ref_rows;
+          << g_opt.ref_rows << " --dtypes " << torch_dtypes;
       if (g_opt.backward) cmd << " --mode backward --ref-length " << kBackwardRefLength;
-      std::fprintf(stderr, "  torch %s%s (%s)\n", peer.version.c_str(), tuned ? ", tuned" : "",
-                   peer.python.c_str());
+      log_stderr("  torch %s%s (%s)\n", peer.version.c_str(), tuned ? ", tuned" : "", peer.python.c_str());
+      g_progress.show(++g_rows_done, 1,
+                      "torch " + peer.version + (tuned ? ", tuned" : "") + " (" + torch_dtypes + ", every length)");
       int rc = 0;
       const std::string out = capture(cmd.str(), &rc);
       json j;
@@ -805,7 +965,8 @@ void bench_torch(std::vector<row>& rows, std::vector<std::string>& notes) {
         r.pattern = "dense";
         r.algorithm = "torch " + peer.version + " " + get_str(e, "method") + (tuned ? ", tuned" : "");
         r.isa = "-";
-        r.kernel = "python " + get_str(j, "python_version") + " fp32";
+        r.dtype = get_str(e, "dtype").empty() ? "fp32" : get_str(e, "dtype");  // older scripts: fp32 only
+        r.kernel = "python " + get_str(j, "python_version") + " " + r.dtype;
         if (e.contains("error")) {
           r.reason = get_str(e, "error");
         } else {
@@ -859,12 +1020,49 @@ std::string fmt(double x, int digits, bool sci = false, const char* suffix = "")
 
 std::string fmt_ms(double x) { return fmt(x, x < 1.0 ? 3 : x < 100.0 ? 2 : 1); }
 
+/// What the header and the JSON say about the machine and the kernel that runs.
+struct machine_info {
+  std::string cpu;          // /proc/cpuinfo model name
+  std::string kernel;       // the selector's dense fused forward kernel for the first --isa, this shape
+  std::string isa;          // its last component (avx2, portable, generic, ...)
+  std::string sdpa_peer;    // the algorithm label of the rows behind the "vs SDPA" column, or ""
+};
+
+/// The selector's kernel for dense fused attention of the sweep's first shape and --isa (the header's
+/// "kernel:" line): the name ends with the ISA that runs, e.g. cpu.fused_forward.avx2.
+std::string dense_kernel_name(dtype type) {
+  const std::int64_t B = 1, L = 16, H = 1, d = g_opt.head_dim;  // the selector looks at types and d, not L
+  const auto n = static_cast<std::size_t>(B * L * H * d);
+  std::vector<float> out(n);
+  std::mt19937_64 rng(g_opt.seed);
+  input_tensor q;
+  q.fill(n, type, rng);
+  forward_args a;
+  a.q = a.k = a.v = q.view(B, L, H, d);
+  a.out = make_view(out.data(), {B, L, H, d});
+  attention_config cfg;
+  cfg.backend = backend::cpu;
+  cfg.pattern = pattern::parse("dense", "--patterns");
+  cfg.cpu_algorithm = cpu_algorithm::fused;
+  cfg.cpu_isa = parse_cpu_isa_arg(g_opt.isas.at(0));
+  const kernel_selection sel = select_kernel(a, cfg);
+  return sel.supported() ? sel.name : "unsupported (" + sel.reason + ")";
+}
+
+void print_column_notes(const machine_info& mi) {
+  std::printf(
+      "vs SDPA = median of %s (same L, same input dtype) / row median: > 1 = faster than SDPA%s.\n"
+      "%%sgemm = row GFLOP/s / the sgemm yardstick's GFLOP/s (below).\n",
+      mi.sdpa_peer.empty() ? "torch 2.x SDPA" : mi.sdpa_peer.c_str(),
+      mi.sdpa_peer.empty() ? " (no torch 2.x measured: run tools/scripts/torch2-venv.sh, or --python)" : "");
+}
+
 void print_table(const std::vector<row>& rows) {
   int kw = 31;  // the kernel column (--backward names two kernels)
   for (const row& r : rows) kw = std::max(kw, static_cast<int>(r.kernel.size()));
-  std::printf("%-14s %-7s %-38s %-*s %5s %9s %9s %9s %8s %8s %9s\n", "B,H,L,d", "pattern",
+  std::printf("%-14s %-7s %-38s %-*s %5s %9s %9s %9s %8s %8s %8s %7s %9s\n", "B,H,L,d", "pattern",
               "algorithm / peer", kw, "kernel", "iters", "ms median", "ms min", "ms max", "GFLOP/s", "speedup",
-              "max err");
+              "vs SDPA", "%sgemm", "max err");
   long long last_L = -1;
   for (const row& r : rows) {
     if (r.L != last_L && last_L != -1) std::printf("\n");
@@ -878,15 +1076,16 @@ void print_table(const std::vector<row>& rows) {
                   r.kernel.c_str(), r.reason.c_str());
       continue;
     }
-    std::printf("%-14s %-7s %-38s %-*s %5d %9s %9s %9s %8s %8s %9s\n", shape, r.pattern.c_str(), alg.c_str(),
-                kw, r.kernel.c_str(), r.iters, fmt_ms(r.ms.median).c_str(), fmt_ms(r.ms.min).c_str(),
+    std::printf("%-14s %-7s %-38s %-*s %5d %9s %9s %9s %8s %8s %8s %7s %9s\n", shape, r.pattern.c_str(),
+                alg.c_str(), kw, r.kernel.c_str(), r.iters, fmt_ms(r.ms.median).c_str(), fmt_ms(r.ms.min).c_str(),
                 fmt_ms(r.ms.max).c_str(), fmt(r.gflops, 1).c_str(), fmt(r.speedup, 2, false, "x").c_str(),
+                fmt(r.vs_sdpa, 2, false, "x").c_str(), fmt(100.0 * r.sgemm_share, 0, false, "%").c_str(),
                 fmt(r.max_err, 2, true).c_str());
   }
 }
 
 void write_json(const std::string& path, const std::vector<row>& rows, const sgemm_result& sg,
-                const build_info& info, const std::string& cpu, const std::string& date,
+                const build_info& info, const machine_info& m, const std::string& date,
                 const std::string& commit, const std::vector<std::string>& notes) {
   json j;
   j["tool"] = "dfss bench";
@@ -896,10 +1095,13 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
   j["load_average_end"] = load_average();
   j["commit"] = commit;
   j["command"] = repro_command();
-  j["machine"] = {{"cpu", cpu},
+  j["machine"] = {{"cpu", m.cpu},
                   {"hardware_threads", omp_get_num_procs()},
                   {"cpu_features", info.cpu_features},
-                  {"compiler", info.compiler}};
+                  {"compiler", info.compiler},
+                  {"kernel", m.kernel},
+                  {"isa", m.isa}};
+  j["sdpa_peer"] = m.sdpa_peer;
   j["config"] = {
       {"threads", g_opt.threads},
       {"dtype", g_opt.dtype_name},
@@ -927,7 +1129,9 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
                          {"reason", r.reason},   {"iters", r.iters},
                          {"ms_median", r.ms.median}, {"ms_min", r.ms.min},
                          {"ms_max", r.ms.max},   {"gflops", r.gflops},
-                         {"speedup_vs_dense_fused", r.speedup}, {"max_err", r.max_err}});
+                         {"speedup_vs_dense_fused", r.speedup}, {"speedup_vs_sdpa", r.vs_sdpa},
+                         {"dtype", r.dtype},     {"fraction_of_sgemm", r.sgemm_share},
+                         {"max_err", r.max_err}});
   }
   // Non-finite numbers (a row without an error estimate) are written as null.
   const std::string text = j.dump(2) + "\n";
@@ -1075,7 +1279,8 @@ void add_bench_command(CLI::App& app) {
   c->add_option("--head-dim", o.head_dim, "head dimension")->capture_default_str();
   c->add_option("--threads", o.threads, "threads for dfss, torch and OpenBLAS (0: all)")
       ->capture_default_str();
-  c->add_option("--dtype", o.dtype_name, "dfss input type: f32, f16, bf16 (torch rows are fp32)")
+  c->add_option("--dtype", o.dtype_name,
+                "dfss input type: f32, f16, bf16 (torch: fp32 rows, plus SDPA rows in the same 16-bit type)")
       ->capture_default_str();
   c->add_option("--warmup", o.warmup, "untimed calls per configuration")->capture_default_str();
   c->add_option("--iters", o.iters, "timed calls per configuration (median reported)")->capture_default_str();
@@ -1089,12 +1294,16 @@ void add_bench_command(CLI::App& app) {
   c->add_option("--json", o.json, "also write the results as JSON to FILE");
   c->add_flag("--no-torch", o.no_torch, "skip the PyTorch peers");
   c->add_flag("--no-torch-tuned", o.no_torch_tuned, "skip the tuned-environment rows of torch 1.x");
+  o.python = default_pythons();
   c->add_option("--python", o.python,
-                "Python interpreters to try for torch (identical torch versions deduplicated)")
+                "Python interpreters to try for torch (identical torch versions deduplicated); the default "
+                "includes the venv of tools/scripts/torch2-venv.sh when it exists ($DFSS_TORCH2_VENV)")
       ->delimiter(',')
       ->capture_default_str();
   c->add_option("--torch-script", o.torch_script, "path of tools/bench/torch_attention.py (default: found)");
   c->add_flag("--no-sgemm", o.no_sgemm, "skip the OpenBLAS sgemm yardstick");
+  c->add_flag("--progress", o.progress,
+              "progress line on stderr (row, rows left) also when stderr is not a terminal");
   c->add_flag("--backward", o.backward,
               "time forward + backward (fused rows, torch autograd); default lengths 512,1024,2048");
   c->add_flag("--memory", o.memory, "peak resident memory of the fused forward per length (child processes)");
@@ -1153,11 +1362,17 @@ int run_bench() {
     if (o.memory) return run_memory();
 
     const build_info info = get_build_info();
-    const std::string cpu = cpu_model(), date = now_utc(), commit = git_commit();
+    machine_info mi;
+    mi.cpu = cpu_model();
+    mi.kernel = dense_kernel_name(type);
+    mi.isa = mi.kernel.substr(mi.kernel.rfind('.') + 1);
+    const std::string date = now_utc(), commit = git_commit();
     std::printf("dfss bench: dfss %s, %s; %s%s\n", info.version.c_str(), date.c_str(),
                 commit.empty() ? "commit unknown" : "commit ", commit.c_str());
-    std::printf("machine: %s, %d hardware threads, features: %s; compiler: %s\n", cpu.c_str(),
+    std::printf("machine: %s, %d hardware threads, features: %s; compiler: %s\n", mi.cpu.c_str(),
                 omp_get_num_procs(), join(info.cpu_features, " ").c_str(), info.compiler.c_str());
+    std::printf("kernel: --isa %s selects %s (ISA %s) for dense fused %s\n", o.isas[0].c_str(),
+                mi.kernel.c_str(), mi.isa.c_str(), o.backward ? "forward (backward: see the kernel column)" : "forward");
     std::printf(
         "run: %s, %d threads, %s inputs (standard normal), warmup %d, median of up to %d calls (budget %gs "
         "per configuration), non-causal, no masks\n",
@@ -1169,17 +1384,23 @@ int run_bench() {
 
     sgemm_result sg;
     if (!o.no_sgemm) {
-      std::fprintf(stderr, "  sgemm yardstick: setup\n");
+      log_stderr("  sgemm yardstick: setup\n");
       setup_sgemm_yardstick(sg, o.threads);
     } else {
       sg.reason = "skipped (--no-sgemm)";
     }
 
+    g_progress.enable(o.progress || isatty(STDERR_FILENO) != 0, isatty(STDERR_FILENO) != 0);
+    g_progress.add_rows(static_cast<int>(o.lengths.size()) * dfss_rows_per_length());
+    std::vector<std::string> notes;
+    std::vector<torch_peer> peers;
+    if (!o.no_torch) peers = probe_torch_peers(notes);
+    for (const auto& peer : peers) g_progress.add_rows(runs_tuned(peer) ? 2 : 1);
     std::vector<row> rows;
     for (long long L : o.lengths) bench_length(L, type, rows, sg);
     sg.finish();
-    std::vector<std::string> notes;
-    if (!o.no_torch) bench_torch(rows, notes);
+    if (!peers.empty()) bench_torch(peers, rows, notes);
+    g_progress.done();
 
     // Speedup against dfss dense fused (the first ISA listed) of the same shape.
     std::map<long long, double> dense_ms;
@@ -1189,6 +1410,22 @@ int run_bench() {
     for (row& r : rows) {
       const auto it = dense_ms.find(r.L);
       if (r.ok && it != dense_ms.end()) r.speedup = it->second / r.ms.median;
+    }
+    // "vs SDPA": against torch 2.x's public scaled_dot_product_attention as installed (not tuned), the
+    // first such peer of --python, same L and same input dtype; > 1 = faster than SDPA.
+    for (const row& r : rows)
+      if (r.source == "torch" && r.ok && r.algorithm.rfind("torch 1.", 0) != 0 &&
+          r.algorithm.size() > 5 && r.algorithm.compare(r.algorithm.size() - 5, 5, " sdpa") == 0) {
+        mi.sdpa_peer = r.algorithm;
+        break;
+      }
+    std::map<std::pair<long long, std::string>, double> sdpa_ms;
+    for (const row& r : rows)
+      if (r.source == "torch" && r.ok && r.algorithm == mi.sdpa_peer) sdpa_ms.emplace(std::make_pair(r.L, r.dtype), r.ms.median);
+    for (row& r : rows) {
+      const auto it = sdpa_ms.find({r.L, r.dtype});
+      if (r.ok && it != sdpa_ms.end()) r.vs_sdpa = it->second / r.ms.median;
+      if (r.ok && sg.ok) r.sgemm_share = r.gflops / sg.gflops;
     }
     std::stable_sort(rows.begin(), rows.end(), [](const row& x, const row& y) { return x.L < y.L; });
 
@@ -1205,9 +1442,9 @@ int run_bench() {
       for (const row& r : rows)
         if (r.source == "dfss" && r.ok && r.pattern == "dense" && r.algorithm == "fused" &&
             r.isa == o.isas[0])
-          std::printf("  L=%lld: dense fused%s %.1f GFLOP/s = %.2f of sgemm\n", r.L,
+          std::printf("  L=%lld: dense fused%s %.1f GFLOP/s = %.0f%% of sgemm\n", r.L,
                       o.backward ? " forward+backward" : "", r.gflops,
-                      r.gflops / sg.gflops);
+                      100.0 * r.gflops / sg.gflops);
     } else {
       std::printf("sgemm yardstick: %s\n", sg.reason.c_str());
     }
@@ -1222,15 +1459,17 @@ int run_bench() {
           "reference backward| over all elements of the problem with L = min(L, %lld) and the same settings\n"
           "(torch rows: vs float64 autograd of softmax(q k^T * scale) v on that problem).\n",
           kBackwardRefLength);
+      print_column_notes(mi);
     } else {
       std::printf(
           "\nGFLOP/s counts 4*Lq*Lk*d per head for every pattern (dense-equivalent, so it is proportional to\n"
           "1/time); speedup = dfss dense fused ms / row ms, same shape, same run; max err = max |out - fp64\n"
           "reference| over the first %lld query rows of every head (torch rows: vs torch float64).\n",
           static_cast<long long>(o.ref_rows));
+      print_column_notes(mi);
     }
     if (!o.json.empty()) {
-      write_json(o.json, rows, sg, info, cpu, date, commit, notes);
+      write_json(o.json, rows, sg, info, mi, date, commit, notes);
       std::printf("wrote %s\n", o.json.c_str());
     }
     return kExitOk;

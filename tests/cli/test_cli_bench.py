@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""`dfss bench`: the columns and fields that compare dfss with its peers, and the progress line.
+
+Runs in seconds: tiny shapes, one timed call, no real torch. The PyTorch peer is a stub script given
+with --torch-script that answers like tools/bench/torch_attention.py with fixed times, so that the
+"vs SDPA" column can be checked exactly (SDPA ms / row ms, same L, same dtype) on any machine.
+
+Usage: test_cli_bench.py DFSS_EXE
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+# The stub's SDPA medians (ms) per dtype: values no real run produces, so a match is not by chance.
+STUB_SDPA_MS = {"fp32": 7.25, "bf16": 3.5}
+
+STUB = r'''
+import json, sys
+args = sys.argv[1:]
+def opt(name, default):
+    return args[args.index(name) + 1] if name in args else default
+info = {"python": sys.executable, "python_version": "3.0.0", "torch_version": "2.99.0", "sdpa": "public"}
+if "--probe" not in args:
+    with open(sys.argv[0] + ".args", "a") as f:
+        f.write(" ".join(args) + "\n")
+    rows = []
+    for L in opt("--lengths", "").split(","):
+        for dt in opt("--dtypes", "fp32").split(","):
+            rows.append({"B": 1, "H": 1, "L": int(L), "d": 64, "dtype": dt, "method": "sdpa",
+                         "ms_median": SDPA[dt], "ms_min": SDPA[dt], "ms_max": SDPA[dt], "iters": 1,
+                         "max_err": 1e-7})
+    info["results"] = rows
+print("DFSS_TORCH_JSON " + json.dumps(info))
+'''
+
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def run(exe, args):
+    p = subprocess.run([exe, "bench"] + args, capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        print(p.stdout, p.stderr)
+    return p
+
+
+def main():
+    exe = sys.argv[1]
+    tmp = tempfile.mkdtemp(prefix="dfss_cli_bench_")
+    stub = os.path.join(tmp, "torch_stub.py")
+    with open(stub, "w") as f:
+        f.write("SDPA = %r\n" % STUB_SDPA_MS + STUB)
+    lengths = [32, 48]
+    common = ["--lengths", ",".join(map(str, lengths)), "--heads", "1", "--iters", "1", "--warmup", "1",
+              "--no-sgemm", "--no-torch-tuned"]
+
+    for dtype, label in (("f32", "fp32"), ("bf16", "bf16")):
+        out_json = os.path.join(tmp, "bench_%s.json" % dtype)
+        p = run(exe, common + ["--dtype", dtype, "--python", sys.executable, "--torch-script", stub,
+                               "--json", out_json, "--progress"])
+        check(p.returncode == 0, "%s: exit status 0 (got %d)" % (dtype, p.returncode))
+        if p.returncode != 0:
+            continue
+        header = p.stdout.splitlines()
+        check(any(l.startswith("machine: ") and "family" in l for l in header),
+              "%s: the header names the CPU model with family and model numbers" % dtype)
+        check(any(l.startswith("kernel: ") and "cpu.fused_forward." in l and "(ISA " in l for l in header),
+              "%s: the header names the dense fused kernel and its ISA" % dtype)
+        table_head = next((l for l in header if l.startswith("B,H,L,d")), "")
+        check("vs SDPA" in table_head and "%sgemm" in table_head, "%s: the table has 'vs SDPA' and '%%sgemm'" % dtype)
+        check("vs SDPA = median of torch 2.99.0 sdpa" in p.stdout, "%s: the notes name the SDPA peer" % dtype)
+
+        # The stub was asked for fp32 and, for a 16-bit dfss dtype, that dtype too.
+        with open(stub + ".args") as f:
+            calls = f.read().splitlines()
+        want_dtypes = "fp32" if label == "fp32" else "fp32," + label
+        check(calls and calls[-1].split("--dtypes ")[1].split()[0] == want_dtypes,
+              "%s: the torch script is asked for --dtypes %s (got %r)" % (dtype, want_dtypes, calls[-1:]))
+
+        with open(out_json) as f:
+            j = json.load(f)
+        check(j["machine"]["kernel"].startswith("cpu.fused_forward.") and
+              j["machine"]["kernel"].endswith("." + j["machine"]["isa"]),
+              "%s: JSON machine.kernel and machine.isa (%s, %s)" % (dtype, j["machine"]["kernel"], j["machine"]["isa"]))
+        check(j["sdpa_peer"] == "torch 2.99.0 sdpa", "%s: JSON sdpa_peer (got %r)" % (dtype, j["sdpa_peer"]))
+        dfss_rows = [r for r in j["rows"] if r["source"] == "dfss" and r["ok"]]
+        torch_rows = [r for r in j["rows"] if r["source"] == "torch"]
+        check(len(dfss_rows) == 5 * len(lengths), "%s: 5 dfss rows per length (got %d)" % (dtype, len(dfss_rows)))
+        check(sorted(r["dtype"] for r in torch_rows) == sorted(want_dtypes.split(",") * len(lengths)),
+              "%s: one torch row per length and dtype" % dtype)
+        for r in dfss_rows:
+            want = STUB_SDPA_MS[label] / r["ms_median"]
+            got = r["speedup_vs_sdpa"]
+            check(r["dtype"] == label and got is not None and math.isclose(got, want, rel_tol=1e-9),
+                  "%s: L=%d %s %s: vs SDPA = %s ms / row ms = %.4g (got %r, dtype %s)"
+                  % (dtype, r["L"], r["pattern"], r["algorithm"], STUB_SDPA_MS[label], want, got, r["dtype"]))
+            check("fraction_of_sgemm" in r and r["fraction_of_sgemm"] is None,
+                  "%s: L=%d %s %s: fraction_of_sgemm is null with --no-sgemm" % (dtype, r["L"], r["pattern"], r["algorithm"]))
+
+        # --progress: one line per step on a non-terminal stderr, counting down to 0 left.
+        total = 5 * len(lengths) + 1  # dfss configurations + one torch run
+        prog = [l for l in p.stderr.splitlines() if l.startswith("[dfss bench] ")]
+        check(any(l.startswith("[dfss bench] row 1 of %d (%d left)" % (total, total - 1)) for l in prog),
+              "%s: progress starts at row 1 of %d" % (dtype, total))
+        check(any(l.startswith("[dfss bench] row %d of %d (0 left), torch 2.99.0" % (total, total)) for l in prog),
+              "%s: progress ends at row %d of %d, the torch run" % (dtype, total, total))
+
+    # Without --progress and with stderr not a terminal: no progress line (logs stay as they were).
+    p = run(exe, common + ["--no-torch"])
+    check(p.returncode == 0 and "[dfss bench]" not in p.stderr, "no progress line without --progress on a pipe")
+    check("no torch 2.x measured" in p.stdout, "without torch the notes say how to get the SDPA peer")
+
+    if failures:
+        print("%d check(s) failed" % len(failures))
+        return 1
+    print("all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -757,9 +757,10 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   }
   // Timed calls, round-robin over the configurations (and one sgemm yardstick call per round).
   for (int it = 0;; ++it) {
-    g_progress.show(first_row, static_cast<int>(runs.size()),
-                    "L=" + std::to_string(L) + ": timed round " + std::to_string(it + 1) + " of up to " +
-                        std::to_string(g_opt.iters));
+    if (it < g_opt.iters)
+      g_progress.show(first_row, static_cast<int>(runs.size()),
+                      "L=" + std::to_string(L) + ": timed round " + std::to_string(it + 1) + " of up to " +
+                          std::to_string(g_opt.iters));
     if (it < g_opt.iters) sg.time_one();
     bool any = false;
     for (auto& s : runs) {

@@ -1,0 +1,311 @@
+// Shared declarations of the units of `dfss bench` (tools/cli/cmd_bench.cpp is the command; what each
+// unit does is said at its top): the options, the rows of the table, the harness (timing,
+// statistics, machine description, progress line), and the entry points of the dfss rows, the peers
+// (PyTorch, OpenBLAS), the memory mode and the output.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <chrono>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dfss/build_info.hpp"
+#include "dfss/dfss.hpp"
+
+namespace dfss::cli::bench {
+
+// ---------------------------------------------------------------------------------------------
+// Options
+// ---------------------------------------------------------------------------------------------
+
+struct bench_options {
+  std::vector<long long> lengths{512, 1024, 2048, 4096};
+  std::vector<std::string> patterns{"dense", "1:2", "2:4"};
+  std::vector<std::string> algorithms{"fused", "three-stage"};
+  std::vector<std::string> isas{"automatic"};
+  long long batch = 1, heads = 12, head_dim = 64;
+  int threads = 2;
+  std::string dtype_name = "f32";
+  int warmup = 2, iters = 7;
+  double budget_s = 20.0;
+  unsigned long long seed = 2023;
+  long long ref_rows = 32;
+  std::string json;
+  bool no_torch = false, no_torch_tuned = false, no_sgemm = false, no_ref = false;
+  std::vector<std::string> python;  // default: default_pythons()
+  std::string torch_script;
+  bool backward = false;
+  bool progress = false;  // the progress line also when stderr is not a terminal
+  // --memory
+  bool memory = false;
+  std::vector<long long> memory_lengths{1024, 16384};
+  std::vector<std::string> memory_patterns{"2:4"};
+  long long memory_heads = 1;
+  long long memory_child = 0;  // hidden: run one forward call of this length and print ru_maxrss
+};
+
+extern bench_options g_opt;
+extern CLI::Option* g_lengths_option;  // to tell a given --lengths from the default
+
+/// --backward: the gradient error is computed on a problem of this length (or L when shorter).
+inline constexpr long long kBackwardRefLength = 256;
+
+inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// ---------------------------------------------------------------------------------------------
+// Harness (harness.cpp): small utilities, machine description, timing and statistics, progress
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+std::string join(const std::vector<T>& v, const char* sep = ",") {
+  std::ostringstream s;
+  for (std::size_t i = 0; i < v.size(); ++i) s << (i ? sep : "") << v[i];
+  return s.str();
+}
+
+std::string torch2_venv_dir();
+std::vector<std::string> default_pythons();
+std::string dtype_label(const std::string& dfss_name);
+std::string shell_quote(const std::string& s);
+/// Runs a shell command and returns its standard output (standard error is not captured).
+std::string capture(const std::string& command, int* exit_status = nullptr);
+std::string trim(std::string s);
+std::string self_exe();
+bool file_exists(const std::string& path);
+std::string cpu_model();
+std::string load_average();
+std::string now_utc();
+std::string git_commit();
+
+/// On a terminal one line redrawn in place; with --progress and stderr not a terminal, one line per
+/// step; otherwise nothing. The other messages on stderr go through log() so the line stays last.
+class progress_line {
+ public:
+  void enable(bool on, bool tty) {
+    on_ = on;
+    tty_ = tty;
+    t0_ = std::chrono::steady_clock::now();
+  }
+  void add_rows(int n) { total_ += n; }
+  /// Row `done + 1` of `total` starts (or, with rows > 1, a group of rows is timed together).
+  void show(int first_row, int rows, const std::string& what) {
+    if (!on_) return;
+    const int last = first_row + rows - 1;
+    const int secs = static_cast<int>(elapsed_ms(t0_) / 1e3);
+    char head[96];
+    if (rows > 1) {
+      std::snprintf(head, sizeof head, "[dfss bench] rows %d-%d of %d (%d left)", first_row, last, total_,
+                    total_ - last);
+    } else {
+      std::snprintf(head, sizeof head, "[dfss bench] row %d of %d (%d left)", first_row, total_, total_ - last);
+    }
+    current_ = std::string(head) + ", " + what + ", " + std::to_string(secs / 60) + "m" +
+               (secs % 60 < 10 ? "0" : "") + std::to_string(secs % 60) + "s so far";
+    draw();
+  }
+  /// One message line on stderr, above the progress line.
+  void log(const std::string& line) {
+    clear();
+    std::fprintf(stderr, "%s\n", line.c_str());
+    if (tty_) draw();
+  }
+  void done() {
+    clear();
+    current_.clear();
+  }
+
+ private:
+  void draw() {
+    if (!on_ || current_.empty()) return;
+    if (tty_) {
+      std::fprintf(stderr, "\r\033[K%s", current_.c_str());  // ESC[K: erase to the end of the line
+    } else {
+      std::fprintf(stderr, "%s\n", current_.c_str());
+    }
+    std::fflush(stderr);
+  }
+  void clear() {
+    if (on_ && tty_ && !current_.empty()) std::fprintf(stderr, "\r\033[K");
+  }
+  static double elapsed_ms(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  bool on_ = false, tty_ = false;
+  int total_ = 0;
+  std::string current_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+extern progress_line g_progress;
+extern int g_rows_done;  // rows measured so far (dfss configurations, torch runs)
+/// printf to stderr through the progress line.
+[[gnu::format(printf, 1, 2)]] void log_stderr(const char* format, ...);
+
+struct stats {
+  double median = kNaN, min = kNaN, max = kNaN;
+};
+
+stats summarize(std::vector<double> v);
+double elapsed_ms(std::chrono::steady_clock::time_point t0);
+int timed_iterations(double first_ms);
+
+using json = nlohmann::json;
+std::string get_str(const json& j, const char* key);
+double get_num(const json& j, const char* key);
+
+// ---------------------------------------------------------------------------------------------
+// Rows of the table
+// ---------------------------------------------------------------------------------------------
+
+struct row {
+  std::string source;  // "dfss" or "torch"
+  long long B = 0, H = 0, L = 0, d = 0;
+  std::string pattern;    // "dense", "1:2", ...
+  std::string algorithm;  // "fused", "three-stage", or the torch label
+  std::string isa;        // requested ISA (dfss rows)
+  std::string kernel;     // selector name, or the torch interpreter
+  std::string dtype;      // input type: fp32, bf16, fp16 (dfss: --dtype; torch: the script's row)
+  bool ok = false;
+  std::string reason;  // why not ok
+  int iters = 0;
+  stats ms;
+  double gflops = kNaN, speedup = kNaN, max_err = kNaN;
+  double vs_sdpa = kNaN;       // median of the SDPA row (torch 2.x, same L and dtype) / this row's
+  double sgemm_share = kNaN;   // GFLOP/s / the sgemm yardstick's GFLOP/s
+};
+
+double flops_factor();
+double attention_flops(long long B, long long H, long long L, long long d);
+
+/// One [B, L, H, d] tensor of standard normal values in the benchmark's input type.
+struct input_tensor {
+  dtype type = dtype::f32;
+  std::vector<float> f32;
+  std::vector<half> f16;
+  std::vector<bfloat16> b16;
+
+  void fill(std::size_t n, dtype t, std::mt19937_64& rng) {
+    type = t;
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    f32.resize(n);
+    for (auto& x : f32) x = normal(rng);
+    if (t == dtype::f16) {
+      f16.resize(n);
+      for (std::size_t i = 0; i < n; ++i) f16[i] = half{float_to_f16(f32[i])};
+      std::vector<float>().swap(f32);
+    } else if (t == dtype::bf16) {
+      b16.resize(n);
+      for (std::size_t i = 0; i < n; ++i) b16[i] = bfloat16{float_to_bf16(f32[i])};
+      std::vector<float>().swap(f32);
+    }
+  }
+  /// The stored (rounded) value of element i, exactly.
+  double at(std::size_t i) const {
+    switch (type) {
+      case dtype::f16:
+        return static_cast<double>(f16_to_float(f16[i].bits));
+      case dtype::bf16:
+        return static_cast<double>(bf16_to_float(b16[i].bits));
+      default:
+        return static_cast<double>(f32[i]);
+    }
+  }
+  tensor_view view(std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t d) {
+    switch (type) {
+      case dtype::f16:
+        return make_view(f16.data(), {B, L, H, d});
+      case dtype::bf16:
+        return make_view(b16.data(), {B, L, H, d});
+      default:
+        return make_view(f32.data(), {B, L, H, d});
+    }
+  }
+  std::size_t bytes() const { return f32.size() * 4 + f16.size() * 2 + b16.size() * 2; }
+};
+
+dtype parse_dtype(const std::string& s);
+cpu_algorithm parse_cpu_algorithm_arg(const std::string& s);
+cpu_isa parse_cpu_isa_arg(const std::string& s);
+
+// ---------------------------------------------------------------------------------------------
+// Peers: the OpenBLAS sgemm yardstick (peer_openblas.cpp), PyTorch (peer_torch.cpp)
+// ---------------------------------------------------------------------------------------------
+
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
+                          float*, int);
+
+/// The yardstick: cblas_sgemm n^3. Its calls are timed inside the round-robin of every length
+/// (time_one), so its samples see the same machine load as the attention rows; the median of all
+/// samples is reported.
+struct sgemm_result {
+  bool ok = false;
+  std::string library, corename, reason;
+  int n = 2048;
+  sgemm_fn sgemm = nullptr;
+  std::vector<float> a, b, c;
+  std::vector<double> samples;
+  stats ms;
+  double gflops = kNaN;
+
+  void call() {
+    constexpr int kRowMajor = 101, kNoTrans = 111;
+    sgemm(kRowMajor, kNoTrans, kNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+  }
+  void time_one() {
+    if (!ok) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    samples.push_back(elapsed_ms(t0));
+  }
+  void finish() {
+    if (!ok) return;
+    ms = summarize(samples);
+    gflops = 2.0 * n * static_cast<double>(n) * n / (ms.median * 1e6);
+  }
+};
+
+void setup_sgemm_yardstick(sgemm_result& r, int threads);
+
+struct torch_peer {
+  std::string python, version, sdpa;
+};
+
+std::vector<torch_peer> probe_torch_peers(std::vector<std::string>& notes);
+bool runs_tuned(const torch_peer& peer);
+void bench_torch(const std::vector<torch_peer>& peers, std::vector<row>& rows, std::vector<std::string>& notes);
+
+// ---------------------------------------------------------------------------------------------
+// dfss rows (dfss_rows.cpp)
+// ---------------------------------------------------------------------------------------------
+
+int dfss_rows_per_length();
+void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result& sg);
+std::string dense_kernel_name(dtype type);
+
+// ---------------------------------------------------------------------------------------------
+// Output (output.cpp), --memory (memory.cpp)
+// ---------------------------------------------------------------------------------------------
+
+/// What the header and the JSON say about the machine and the kernel that runs.
+struct machine_info {
+  std::string cpu;          // /proc/cpuinfo model name
+  std::string kernel;       // the selector's dense fused forward kernel for the first --isa, this shape
+  std::string isa;          // its last component (avx2, portable, generic, ...)
+  std::string sdpa_peer;    // the algorithm label of the rows behind the "vs SDPA" column, or ""
+};
+
+std::string repro_command();
+void print_column_notes(const machine_info& mi);
+void print_table(const std::vector<row>& rows);
+void write_json(const std::string& path, const std::vector<row>& rows, const sgemm_result& sg,
+                const build_info& info, const machine_info& m, const std::string& date,
+                const std::string& commit, const std::vector<std::string>& notes);
+int run_memory_child();
+int run_memory();
+
+}  // namespace dfss::cli::bench

@@ -1,0 +1,220 @@
+// The harness of `dfss bench`: the options' storage, small utilities (shell, strings, files), the
+// machine description (CPU model, load average, date, commit), timing and statistics (median, the
+// iteration budget), the progress line, and the inputs.
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+
+#include "cli/bench/bench.hpp"
+
+namespace dfss::cli::bench {
+
+#ifndef DFSS_BENCH_SOURCE_DIR
+#define DFSS_BENCH_SOURCE_DIR ""
+#endif
+
+bench_options g_opt;
+CLI::Option* g_lengths_option = nullptr;  // to tell a given --lengths from the default
+
+/// The venv of tools/scripts/torch2-venv.sh: $DFSS_TORCH2_VENV, else
+/// ${XDG_CACHE_HOME:-$HOME/.cache}/dfss/torch2-venv (the script's default).
+std::string torch2_venv_dir() {
+  if (const char* v = std::getenv("DFSS_TORCH2_VENV"); v != nullptr && *v != '\0') return v;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0')
+    return std::string(x) + "/dfss/torch2-venv";
+  if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0') return std::string(h) + "/.cache/dfss/torch2-venv";
+  return {};
+}
+
+/// --python's default: Debian's python3 (torch 1.13), the torch 2.x venv when it exists, python3 on PATH.
+std::vector<std::string> default_pythons() {
+  std::vector<std::string> v{"/usr/bin/python3"};
+  const std::string venv = torch2_venv_dir();
+  if (!venv.empty() && access((venv + "/bin/python").c_str(), X_OK) == 0) v.push_back(venv + "/bin/python");
+  v.push_back("python3");
+  return v;
+}
+
+/// The canonical name of a dtype as the table and the torch script write it (fp32, bf16, fp16).
+std::string dtype_label(const std::string& dfss_name) {
+  if (dfss_name == "bf16" || dfss_name == "bfloat16") return "bf16";
+  if (dfss_name == "f16" || dfss_name == "fp16" || dfss_name == "float16") return "fp16";
+  return "fp32";
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'') {
+      out += "'\\''";
+    } else {
+      out += c;
+    }
+  }
+  return out + "'";
+}
+
+/// Runs a shell command and returns its standard output (standard error is not captured).
+std::string capture(const std::string& command, int* exit_status) {
+  std::string out;
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) {
+    if (exit_status) *exit_status = -1;
+    return out;
+  }
+  char buf[4096];
+  std::size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
+  const int rc = pclose(p);
+  if (exit_status) *exit_status = rc;
+  return out;
+}
+
+std::string trim(std::string s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  std::size_t i = 0;
+  while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
+  return s.substr(i);
+}
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return {};
+  return std::string(buf, static_cast<std::size_t>(n));
+}
+
+bool file_exists(const std::string& path) { return !path.empty() && access(path.c_str(), R_OK) == 0; }
+
+/// "AMD EPYC (family 25 model 17)": the model name of /proc/cpuinfo, with the family and model
+/// numbers, which tell apart CPUs that a VM names alike (Zen 3 is family 25 model 1, Zen 4 model 17).
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line, name, family, model;
+  auto value = [&line] {
+    const auto colon = line.find(':');
+    return colon == std::string::npos ? std::string{} : trim(line.substr(colon + 1));
+  };
+  while (std::getline(f, line) && line != "") {
+    if (line.rfind("model name", 0) == 0) {
+      name = value();
+    } else if (line.rfind("cpu family", 0) == 0) {
+      family = value();
+    } else if (line.rfind("model", 0) == 0 && line.find(':') != std::string::npos &&
+               trim(line.substr(0, line.find(':'))) == "model") {
+      model = value();
+    }
+  }
+  if (name.empty()) name = "unknown";
+  if (!family.empty() && !model.empty()) name += " (family " + family + " model " + model + ")";
+  return name;
+}
+
+/// The 1-minute load average (other processes competing for the cores make every number noisier).
+std::string load_average() {
+  std::ifstream f("/proc/loadavg");
+  std::string one;
+  f >> one;
+  return one.empty() ? "unknown" : one;
+}
+
+std::string now_utc() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+/// "abc1234" (+ " (uncommitted changes)") of the source tree this binary was built from, or "".
+std::string git_commit() {
+  const std::string dir = DFSS_BENCH_SOURCE_DIR;
+  if (dir.empty()) return {};
+  const std::string q = shell_quote(dir);
+  std::string head = trim(capture("git -C " + q + " rev-parse --short HEAD 2>/dev/null"));
+  if (head.empty()) return {};
+  if (!trim(capture("git -C " + q + " status --porcelain --untracked-files=no 2>/dev/null")).empty()) {
+    head += " (uncommitted changes)";
+  }
+  return head;
+}
+
+progress_line g_progress;
+int g_rows_done = 0;  // rows measured so far (dfss configurations, torch runs)
+
+/// printf to stderr through the progress line.
+void log_stderr(const char* format, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, format);
+  std::vsnprintf(buf, sizeof buf, format, ap);
+  va_end(ap);
+  std::string line = buf;
+  if (!line.empty() && line.back() == '\n') line.pop_back();
+  g_progress.log(line);
+}
+
+stats summarize(std::vector<double> v) {
+  stats s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  s.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  s.min = v.front();
+  s.max = v.back();
+  return s;
+}
+
+double elapsed_ms(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Timed calls for a configuration whose first call took @p first_ms: --iters, reduced so that the
+/// configuration stays near --budget seconds, never below 3.
+int timed_iterations(double first_ms) {
+  int iters = g_opt.iters;
+  if (first_ms * iters > g_opt.budget_s * 1e3) {
+    iters = std::max(3, static_cast<int>(g_opt.budget_s * 1e3 / std::max(first_ms, 1e-6)));
+  }
+  return std::min(iters, g_opt.iters);
+}
+/// j[key] as a string, or empty when absent or not a string.
+std::string get_str(const json& j, const char* key) {
+  const auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string{};
+}
+
+/// j[key] as a number, or NaN when absent or null (the script writes non-finite floats as null).
+double get_num(const json& j, const char* key) {
+  const auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<double>() : kNaN;
+}
+/// Dense-equivalent flops per head and Lq Lk d: 4 for a forward call (Q K^T and P V), 14 for forward +
+/// backward (--backward: the backward recomputes Q K^T and computes dO V^T, P^T dO, dS K, dS^T Q).
+double flops_factor() { return g_opt.backward ? 14.0 : 4.0; }
+
+double attention_flops(long long B, long long H, long long L, long long d) {
+  return flops_factor() * static_cast<double>(B) * static_cast<double>(H) * static_cast<double>(L) *
+         static_cast<double>(L) * static_cast<double>(d);
+}
+dtype parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "fp32" || s == "float32") return dtype::f32;
+  if (s == "f16" || s == "fp16" || s == "float16") return dtype::f16;
+  if (s == "bf16" || s == "bfloat16") return dtype::bf16;
+  throw error(status_code::invalid_argument,
+              "dfss bench: argument '--dtype': expected f32, f16 or bf16, got '" + s + "'");
+}
+
+
+
+cpu_algorithm parse_cpu_algorithm_arg(const std::string& s) { return parse_cpu_algorithm(s, "--algorithms"); }
+cpu_isa parse_cpu_isa_arg(const std::string& s) { return parse_cpu_isa(s, "--isa"); }
+
+}  // namespace dfss::cli::bench

@@ -179,7 +179,11 @@ for dt in (torch.float32, torch.bfloat16):
 EOF
 {
   echo "torch $torch_version ($torch_spec), python $("$py" --version 2>&1 | cut -d' ' -f2)"
-  echo "CUDA libraries added for import: ${added[*]:-none}"
+  echo "CUDA packages installed for import (by this or an earlier run):"
+  "$py" -c 'import importlib.metadata as m
+for d in sorted(m.distributions(), key=lambda d: d.metadata["Name"].lower()):
+    if d.metadata["Name"].lower().startswith(("nvidia-", "cuda-")):
+        print("  %s==%s" % (d.metadata["Name"], d.version))' 
   date -u '+made or checked: %Y-%m-%d %H:%M UTC'
 } >"$venv/dfss-torch2.txt"
 say "added for import this run: ${added[*]:-nothing}"

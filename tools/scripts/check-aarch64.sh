@@ -12,7 +12,7 @@ command -v "$cxx" >/dev/null || { echo "SKIP: $cxx not installed (Debian g++-aar
 command -v qemu-aarch64 >/dev/null || { echo "SKIP: qemu-aarch64 not installed (Debian qemu-user)"; exit 77; }
 mkdir -p "$out"
 sources=(src/core/types.cpp src/core/validate.cpp src/core/select.cpp src/core/api.cpp src/core/build_info.cpp
-         src/core/cpu_features.cpp src/ref/reference_forward.cpp src/ref/reference_backward.cpp src/cpu/isa.cpp
+         src/core/cpu_features.cpp src/core/device_memory.cpp src/ref/reference_forward.cpp src/ref/reference_backward.cpp src/cpu/isa.cpp
          src/cpu/fused_forward_scalar.cpp src/cpu/fused_forward_avx2.cpp src/cpu/fused_forward_portable.cpp
          src/cpu/three_stage_forward.cpp src/format/format.cpp tests/arm/portable_check.cpp)
 objs=()

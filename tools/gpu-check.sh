@@ -37,10 +37,12 @@ for dir in "${DFSS_GTEST_SOURCE_DIR:-}" .gpu-deps/googletest /usr/src/googletest
 done
 
 # 1. Build (about 1-2 minutes on 16 cores): the library, the GPU tests and the benchmark only.
+#    DFSS_WERROR=OFF: the host compiler there is unknown, and a new warning of it must not stop the
+#    GPU run; the CUDA targets keep their own -Werror=all-warnings (nvcc is the one CI builds with).
 jobs=$(nproc)
 timeout 200 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DDFSS_ENABLE_CUDA=ON \
   -DDFSS_CUDA_ARCHITECTURES="$arch" -DDFSS_BUILD_TOOLS=OFF -DDFSS_BUILD_BENCH=OFF \
-  -DDFSS_BUILD_CUDA_BENCH=ON -DDFSS_WERROR=ON "${gtest_args[@]}" >"$logdir/configure.log" 2>&1 \
+  -DDFSS_BUILD_CUDA_BENCH=ON -DDFSS_WERROR=OFF "${gtest_args[@]}" >"$logdir/configure.log" 2>&1 \
   || { tail -n 30 "$logdir/configure.log"; exit 1; }
 timeout 240 cmake --build build-gpu -j "$jobs" --target test_nm_format_gpu test_attention_gpu \
   test_cuda_warp dfss_bench_cuda >"$logdir/build.log" 2>&1 || { grep -E "error|warning" "$logdir/build.log" | head -n 40; exit 1; }

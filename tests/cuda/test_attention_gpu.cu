@@ -11,6 +11,9 @@
 //     are compared with tolerances for the 16-bit intermediates.
 //   - A CUDA graph capture of a call on a non-default stream replays to the same result.
 //   - Clear errors: host pointers and unsupported shapes are rejected with the reason.
+// The TESTs sit outside the anonymous namespace: inside it nvcc 13 reports each one's registration
+// member as unused (#177-D, an error under -Werror=all-warnings) whenever GoogleTest's headers are
+// not system headers, e.g. when GoogleTest is built from source.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -133,6 +136,8 @@ void check_one_mma_sp(int rotation) {
   }
 }
 
+}  // namespace
+
 TEST(CudaMmaSp, OneWarpAllSixNibblesBothSelectors) {
   for (int rot = 0; rot < 6; ++rot) {
     check_one_mma_sp<__nv_bfloat16, 0>(rot);
@@ -141,6 +146,8 @@ TEST(CudaMmaSp, OneWarpAllSixNibblesBothSelectors) {
     check_one_mma_sp<__half, 1>(rot);
   }
 }
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // End to end against the fp64 reference.
@@ -232,6 +239,8 @@ void run_e2e(const e2e_case& c) {
   }
 }
 
+}  // namespace
+
 TEST(CudaAttention, MatchesTheReferenceOnAwkwardShapes) {
   const dfss::pattern p24{2, 4}, p12{1, 2};
   const std::vector<e2e_case> cases = {
@@ -317,8 +326,6 @@ TEST(CudaAttention, RejectsWhatItCannotRunWithAReason) {
   EXPECT_NE(s.reason.find("head_dim 64 and 128, got 96"), std::string::npos) << s.reason;
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
-
-}  // namespace
 
 int main(int argc, char** argv) {
   std::string why;

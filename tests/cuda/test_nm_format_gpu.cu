@@ -1,6 +1,9 @@
 // GPU test of the device N:M pruning kernel: its values, indices and metadata words must equal the
 // host dfss::nm_compress / dfss::nm_metadata_encode bit for bit (same shared selection headers).
 // Without a CUDA device the binary prints the reason and exits 77 (CTest SKIP_RETURN_CODE).
+// The TESTs sit outside the anonymous namespace: inside it nvcc 13 reports each one's registration
+// member as unused (#177-D, an error under -Werror=all-warnings) whenever GoogleTest's headers are
+// not system headers, e.g. when GoogleTest is built from source.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -146,6 +149,8 @@ const gpu_case kCases[] = {
     {{1, 1}, false, meta_format::sm80_16bit_2of4}, {{16, 16}, false, meta_format::sm80_16bit_2of4},
 };
 
+}  // namespace
+
 TEST(NmPruneRowsGpu, MatchesHostCompressAndMetadata) {
   std::mt19937 rng(17);
   for (const gpu_case& c : kCases) {
@@ -184,8 +189,6 @@ TEST(NmPruneRowsGpu, RejectsBadArgumentsWithoutLaunching) {
   EXPECT_EQ(null_dense.code, dfss::status_code::invalid_argument);
   EXPECT_NE(null_dense.message.find("argument 'dense'"), std::string::npos) << null_dense.message;
 }
-
-}  // namespace
 
 int main(int argc, char** argv) {
   int devices = 0;

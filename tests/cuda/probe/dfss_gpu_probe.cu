@@ -354,7 +354,7 @@ void kernels_case(const kcase& c, bool profile_only) {
   // scale * log2 e, then round to nearest T), bit for bit; metadata through the format module.
   const dfss::pattern pat = c.two_of_four ? dfss::pattern{2, 4} : dfss::pattern{1, 2};
   const dfss::meta_format fmt = c.two_of_four ? dfss::meta_format::sm80_16bit_2of4 : dfss::meta_format::sm80_16bit_1of2;
-  const i64 slots = (c.Lk + 3) / 4 * 2;
+  const i64 slots = (c.Lk + pat.m - 1) / pat.m * pat.n;  // nm_compress slot s = compressed column s
   const i64 wpr = dfss::nm_metadata_words_per_row(c.Lk, fmt);
   const i64 cols = a.layout.keys_padded / 2;
   std::vector<std::vector<std::int32_t>> kept_idx(static_cast<std::size_t>(slices));

@@ -136,7 +136,7 @@ if ! command -v ncu >/dev/null 2>&1; then
 else
   step ncu-probe.log 30 "${run_bin[@]}" ncu --clock-control none -c 1 --section SpeedOfLight "$bin/dfss_gpu_probe" --section nan
   if [ "$rc" -ne 0 ] || grep -qE '==ERROR==|==WARNING== No kernels were profiled' "$logs/ncu-probe.log"; then
-    say "ncu: skipped, the probe failed ($(verdict)): $(grep -m1 -E 'ERROR|WARNING|rror' "$logs/ncu-probe.log" | cut -c1-200)"
+    say "ncu: skipped, its few-second trial run failed ($(verdict)): $(grep -m1 -E 'ERROR|WARNING|rror' "$logs/ncu-probe.log" | cut -c1-200)"
   else
     step ncu.log 90 "${run_bin[@]}" ncu --clock-control none -k "$kernels_re" -c 3 -f -o "$out/ncu" "$bin/dfss_gpu_probe" --section profile
     say "ncu: $(verdict) in ${secs} s (ncu.ncu-rep: sddmm, softmax, spmm of B1 L4096 H8 d64 bf16 2:4)"
@@ -154,7 +154,7 @@ if ! command -v compute-sanitizer >/dev/null 2>&1; then
 else
   step sanitizer-probe.log 30 "${run_bin[@]}" compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/dfss_gpu_probe" --section nan
   if [ "$rc" -ne 0 ]; then
-    say "sanitize: skipped, the probe failed ($(verdict)): $(grep -m1 -iE 'error|not supported' "$logs/sanitizer-probe.log" | cut -c1-200)"
+    say "sanitize: skipped, its few-second trial run failed ($(verdict)): $(grep -m1 -iE 'error|not supported' "$logs/sanitizer-probe.log" | cut -c1-200)"
   else
     for tool in memcheck racecheck; do
       step "sanitizer-$tool-probe.log" 90 "${run_bin[@]}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/dfss_gpu_probe" --section kernels --quick

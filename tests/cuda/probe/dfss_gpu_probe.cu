@@ -280,6 +280,15 @@ std::string case_name(const kcase& c) {
   return s;
 }
 
+// Adds one slice's report to a case's, keeping the first bad element's description.
+void merge(pr::check_report& all, const pr::check_report& r, i64 slice) {
+  if (r.bad > 0 && all.bad == 0) all.first = "slice " + std::to_string(slice) + " " + r.first;
+  all.checked += r.checked;
+  all.bad += r.bad;
+  all.max_err = std::max(all.max_err, r.max_err);
+  all.worst = std::max(all.worst, r.worst);
+}
+
 template <typename T, int D, w::sp_pattern P>
 void kernels_case(const kcase& c, bool profile_only) {
   using HT = typename host_of<T>::type;
@@ -350,22 +359,17 @@ void kernels_case(const kcase& c, bool profile_only) {
   const std::vector<HT> s_dev = download(dvals.ptr, nvals);
   const std::vector<std::uint32_t> m_dev = download(dmeta.ptr, nmeta);
 
-  // --- SDDMM: host scores, masks, nm_compress, the kernel's own rounding (f32 product with
-  // scale * log2 e, then round to nearest T), bit for bit; metadata through the format module.
-  const dfss::pattern pat = c.two_of_four ? dfss::pattern{2, 4} : dfss::pattern{1, 2};
-  const dfss::meta_format fmt = c.two_of_four ? dfss::meta_format::sm80_16bit_2of4 : dfss::meta_format::sm80_16bit_1of2;
-  const i64 slots = (c.Lk + pat.m - 1) / pat.m * pat.n;  // nm_compress slot s = compressed column s
-  const i64 wpr = dfss::nm_metadata_words_per_row(c.Lk, fmt);
-  const i64 cols = a.layout.keys_padded / 2;
-  std::vector<std::vector<std::int32_t>> kept_idx(static_cast<std::size_t>(slices));
-  i64 value_bad = 0, meta_bad = 0, illegal = 0;
-  std::string first_bad;
+  // Each kernel against the host (tests/cuda/probe/probe_host.hpp: what is expected, and the
+  // tolerances' derivation), slice by slice, on the previous kernel's own device output.
+  std::vector<std::vector<std::int32_t>> kept(static_cast<std::size_t>(slices));
+  std::vector<pr::slice_case> sc(static_cast<std::size_t>(slices));
+  pr::check_report sddmm;
   for (i64 b = 0; b < c.B; ++b) {
     const i64 kv = c.lens.empty() ? c.Lk : std::clamp<i64>(c.lens[static_cast<std::size_t>(b)], 0, c.Lk);
-    const w::score_mask mask{c.Lk, kv, c.causal, c.Lk - c.Lq};
     for (i64 h = 0; h < c.H; ++h) {
       const i64 bh = b * c.H + h, hk = h / (c.H / c.Hkv);
-      std::vector<float> dense(static_cast<std::size_t>(c.Lq * c.Lk));
+      sc[static_cast<std::size_t>(bh)] = {c.Lq, c.Lk, kv, c.causal, c.two_of_four, a.scale_log2, a.layout};
+      std::vector<float> scores(static_cast<std::size_t>(c.Lq * c.Lk));
       for (i64 r = 0; r < c.Lq; ++r) {
         for (i64 j = 0; j < c.Lk; ++j) {
           double s = 0;
@@ -373,135 +377,57 @@ void kernels_case(const kcase& c, bool profile_only) {
             s += dfss::to_double(q[static_cast<std::size_t>(((b * c.Lq + r) * c.H + h) * D + x)]) *
                  dfss::to_double(k[static_cast<std::size_t>(((b * c.Lk + j) * c.Hkv + hk) * D + x)]);
           }
-          dense[static_cast<std::size_t>(r * c.Lk + j)] = mask.visible(r, j) ? static_cast<float>(s) : -INFINITY;
+          scores[static_cast<std::size_t>(r * c.Lk + j)] = static_cast<float>(s);
         }
       }
-      std::vector<float> vals(static_cast<std::size_t>(c.Lq * slots));
-      std::vector<std::int32_t>& idx = kept_idx[static_cast<std::size_t>(bh)];
-      idx.assign(vals.size(), 0);
-      dfss::nm_compress(dense.data(), c.Lq, c.Lk, c.Lk, pat, vals.data(), idx.data());
-      const HT* sv = s_dev.data() + bh * a.layout.value_elems();
-      for (i64 r = 0; r < c.Lq; ++r) {
-        for (i64 s = 0; s < slots; ++s) {
-          const HT want = dfss::from_double<HT>(vals[static_cast<std::size_t>(r * slots + s)] * a.scale_log2);
-          const HT got = sv[a.layout.value_offset(r, s)];
-          if (want.bits != got.bits) {
-            if (value_bad++ == 0) {
-              first_bad = "value b" + std::to_string(b) + " h" + std::to_string(h) + " row " + std::to_string(r) +
-                          " slot " + std::to_string(s) + ": got " + std::to_string(dfss::to_double(got)) + " want " +
-                          std::to_string(dfss::to_double(want));
-            }
-          }
-        }
-      }
-      std::vector<std::uint16_t> words(static_cast<std::size_t>(c.Lq * wpr));
-      dfss::nm_metadata_encode(idx.data(), c.Lq, c.Lk, pat, fmt, words.data());
-      const std::uint32_t* mv = m_dev.data() + bh * a.layout.meta_words();
-      for (i64 r = 0; r < c.Lq; ++r) {
-        for (i64 x = 0; x < wpr; ++x) {
-          const i64 o16 = dfss::nm_meta_reordered_offset(r, x, a.layout.rows_padded);
-          const std::uint32_t w32 = mv[o16 / 2];
-          const std::uint32_t got = (o16 % 2 == 0) ? (w32 & 0xFFFFu) : (w32 >> 16);
-          if (got != words[static_cast<std::size_t>(r * wpr + x)] && meta_bad++ == 0 && first_bad.empty()) {
-            first_bad = "meta row " + std::to_string(r) + " word " + std::to_string(x);
-          }
-        }
-      }
-      for (i64 x = 0; x < a.layout.meta_words(); ++x) {
-        for (int nq4 = 0; nq4 < 8; ++nq4) illegal += !dfss::is_legal_ordered_nibble((mv[x] >> (4 * nq4)) & 0xFu);
-      }
+      const pr::check_report r = pr::check_sddmm(sc[static_cast<std::size_t>(bh)], scores,
+                                                 s_dev.data() + bh * a.layout.value_elems(),
+                                                 m_dev.data() + bh * a.layout.meta_words(), kept[static_cast<std::size_t>(bh)]);
+      merge(sddmm, r, bh);
     }
   }
-  verdict("kernels", value_bad == 0 && meta_bad == 0 && illegal == 0,
-          "sddmm " + what + ": values differing " + std::to_string(value_bad) + ", metadata words differing " +
-              std::to_string(meta_bad) + ", illegal nibbles " + std::to_string(illegal) +
-              (first_bad.empty() ? "" : "; first: " + first_bad));
+  verdict("kernels", sddmm.bad == 0,
+          "sddmm " + what + ": " + std::to_string(sddmm.bad) + " of " + std::to_string(sddmm.checked) +
+              " values, metadata words and nibbles differ" + (sddmm.first.empty() ? "" : "; first: " + sddmm.first));
 
-  // --- softmax, on the device's own SDDMM output. The kernel works in f32 (exp2f, an online
-  // max/sum) whose relative error (~1e-6 over these row lengths) is far below half an ulp of T
-  // (2^-9 bf16, 2^-12 f16), so each stored probability is the correctly rounded fp64 value or its
-  // neighbour: tolerance 1 ulp of T at the fp64 value. LSE (f32, ln 2 (max + log2 sum)): the f32 sum
-  // of n terms is within n 2^-24 relative, so |lse error| <= n 2^-24 + 2^-22 (|max| + 1).
   CUDA_OK(dfss::cuda::launch_softmax_compressed<T>(a, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   const std::vector<HT> p_dev = download(dvals.ptr, nvals);
   const std::vector<float> lse_dev = download(dlse.ptr, static_cast<std::size_t>(c.B * c.H * c.Lq));
-  double p_worst = 0, lse_worst = 0;  // error / tolerance
-  i64 p_bad = 0, lse_bad = 0;
+  std::array<pr::check_report, 2> soft;
   for (i64 bh = 0; bh < slices; ++bh) {
-    for (i64 r = 0; r < c.Lq; ++r) {
-      const HT* sr = s_dev.data() + bh * a.layout.value_elems() + a.layout.value_offset(r, 0);
-      const HT* pr_ = p_dev.data() + bh * a.layout.value_elems() + a.layout.value_offset(r, 0);
-      double m = -INFINITY, s = 0;
-      for (i64 x = 0; x < cols; ++x) m = std::max(m, dfss::to_double(sr[x]));
-      const bool empty = m == -INFINITY;
-      if (!empty) {
-        for (i64 x = 0; x < cols; ++x) s += std::exp2(dfss::to_double(sr[x]) - m);
-      }
-      for (i64 x = 0; x < cols; ++x) {
-        const double want = empty ? 0.0 : std::exp2(dfss::to_double(sr[x]) - m) / s;
-        const double err = std::fabs(dfss::to_double(pr_[x]) - want);
-        const double tol = pr::ulp_at(want, host_of<T>::kBits, host_of<T>::kMinExp);
-        p_worst = std::max(p_worst, err / tol);
-        p_bad += !(err <= tol);
-      }
-      const double lse_want = empty ? -INFINITY : std::log(2.0) * (m + std::log2(s));
-      const double lse_got = lse_dev[static_cast<std::size_t>(bh * c.Lq + r)];
-      if (empty) {
-        lse_bad += !(std::isinf(lse_got) && lse_got < 0);
-      } else {
-        const double tol = static_cast<double>(cols) * std::ldexp(1.0, -24) + std::ldexp(1.0, -22) * (std::fabs(m) + 1);
-        const double err = std::fabs(lse_got - lse_want);
-        lse_worst = std::max(lse_worst, err / tol);
-        lse_bad += !(err <= tol);
-      }
-    }
+    const std::array<pr::check_report, 2> r =
+        pr::check_softmax(sc[static_cast<std::size_t>(bh)], s_dev.data() + bh * a.layout.value_elems(),
+                          p_dev.data() + bh * a.layout.value_elems(), lse_dev.data() + bh * c.Lq, host_of<T>::kBits,
+                          host_of<T>::kMinExp);
+    for (int i = 0; i < 2; ++i) merge(soft[static_cast<std::size_t>(i)], r[static_cast<std::size_t>(i)], bh);
   }
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "softmax %s: probabilities off by more than 1 ulp %lld (max error %.2f ulp), lse out of tolerance %lld (max %.2f of tol)",
-                what.c_str(), static_cast<long long>(p_bad), p_worst, static_cast<long long>(lse_bad), lse_worst);
-  verdict("kernels", p_bad == 0 && lse_bad == 0, buf);
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "softmax %s: %lld of %lld probabilities off by more than 1 ulp (max %.2f ulp), %lld of %lld lse out of "
+                "tolerance (max %.2f of it)%s%s",
+                what.c_str(), static_cast<long long>(soft[0].bad), static_cast<long long>(soft[0].checked), soft[0].worst,
+                static_cast<long long>(soft[1].bad), static_cast<long long>(soft[1].checked), soft[1].worst,
+                soft[0].first.empty() ? "" : "; first p: ", soft[0].first.c_str());
+  verdict("kernels", soft[0].bad == 0 && soft[1].bad == 0, buf);
 
-  // --- SpMM, on the device's own probabilities and the host's kept indices (equal to the device's
-  // metadata when the SDDMM line passed). Products of two 16-bit values are exact in f32 and are
-  // summed in f32 over the n kept keys of a row: |error| <= n 2^-24 sum |p v| for round-to-nearest
-  // additions; tensor cores may truncate inside the MMA, so the tolerance doubles that bound.
   CUDA_OK((dfss::cuda::launch_spmm<T, D>(a, nullptr)));
   CUDA_OK(cudaDeviceSynchronize());
   const std::vector<float> o_dev = download(dout.ptr, static_cast<std::size_t>(nq));
-  double o_worst = 0, o_maxerr = 0;
-  i64 o_bad = 0;
+  pr::check_report spmm;
   for (i64 b = 0; b < c.B; ++b) {
-    const i64 kv = c.lens.empty() ? c.Lk : std::clamp<i64>(c.lens[static_cast<std::size_t>(b)], 0, c.Lk);
     for (i64 h = 0; h < c.H; ++h) {
       const i64 bh = b * c.H + h, hk = h / (c.H / c.Hkv);
-      const std::vector<std::int32_t>& idx = kept_idx[static_cast<std::size_t>(bh)];
-      for (i64 r = 0; r < c.Lq; ++r) {
-        const HT* prow = p_dev.data() + bh * a.layout.value_elems() + a.layout.value_offset(r, 0);
-        for (int x = 0; x < D; ++x) {
-          double want = 0, mag = 0;
-          i64 n = 0;
-          for (i64 s = 0; s < slots; ++s) {
-            const i64 key = idx[static_cast<std::size_t>(r * slots + s)];
-            if (key >= kv) continue;  // padding or past the batch's length: V is zero-filled there
-            const double t = dfss::to_double(prow[s]) * dfss::to_double(v[static_cast<std::size_t>(((b * c.Lk + key) * c.Hkv + hk) * D + x)]);
-            want += t;
-            mag += std::fabs(t);
-            ++n;
-          }
-          const double got = o_dev[static_cast<std::size_t>(((b * c.Lq + r) * c.H + h) * D + x)];
-          const double tol = 2.0 * static_cast<double>(std::max<i64>(n, 1)) * std::ldexp(1.0, -24) * mag + 1e-30;
-          const double err = std::fabs(got - want);
-          o_maxerr = std::max(o_maxerr, err);
-          o_worst = std::max(o_worst, err / tol);
-          o_bad += !(err <= tol);
-        }
-      }
+      const pr::check_report r = pr::check_spmm(
+          sc[static_cast<std::size_t>(bh)], kept[static_cast<std::size_t>(bh)], p_dev.data() + bh * a.layout.value_elems(),
+          v.data() + (b * c.Lk * c.Hkv + hk) * D, c.Hkv * D, o_dev.data() + (b * c.Lq * c.H + h) * D, c.H * D, D);
+      merge(spmm, r, bh);
     }
   }
-  std::snprintf(buf, sizeof buf, "spmm %s: outputs out of tolerance %lld (max abs error %.3g, max %.2f of tol)", what.c_str(),
-                static_cast<long long>(o_bad), o_maxerr, o_worst);
-  verdict("kernels", o_bad == 0, buf);
+  std::snprintf(buf, sizeof buf, "spmm %s: %lld of %lld outputs out of tolerance (max abs error %.3g, max %.2f of tol)%s%s",
+                what.c_str(), static_cast<long long>(spmm.bad), static_cast<long long>(spmm.checked), spmm.max_err,
+                spmm.worst, spmm.first.empty() ? "" : "; first: ", spmm.first.c_str());
+  verdict("kernels", spmm.bad == 0, buf);
 }
 
 void kernels_dispatch(const kcase& c, bool profile_only) {

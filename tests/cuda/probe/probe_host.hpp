@@ -19,10 +19,15 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "cuda/warp/mma_fragments.hpp"
+#include "cuda/warp/nm_warp_select.hpp"
+#include "cuda/warp/sddmm_epilogue.hpp"
+#include "dfss/format.hpp"
+#include "dfss/numeric.hpp"
 
 namespace dfss::probe {
 
@@ -175,6 +180,166 @@ inline constexpr int kF16Bits = 11;
 inline double ulp_at(double x, int bits, int min_exp) {
   const int e = (x == 0.0 || !std::isfinite(x)) ? min_exp : std::max(std::ilogb(x), min_exp);
   return std::ldexp(1.0, e - (bits - 1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The per-kernel checks of one (batch, head) slice of the kernels' intermediates, as read back from
+// the device: the SDDMM's values and metadata, the softmax's probabilities and LSE, the SpMM's output.
+
+/// One slice: its sizes, the batch's valid keys, the mask, the pattern and the layout.
+struct slice_case {
+  std::int64_t Lq, Lk, kv;
+  bool causal;
+  bool two_of_four;
+  float scale_log2;
+  cuda::warp::intermediate_layout lay;
+
+  dfss::pattern pat() const { return two_of_four ? dfss::pattern{2, 4} : dfss::pattern{1, 2}; }
+  dfss::meta_format fmt() const {
+    return two_of_four ? dfss::meta_format::sm80_16bit_2of4 : dfss::meta_format::sm80_16bit_1of2;
+  }
+  /// nm_compress's kept slots per row; slot s is compressed column s of the layout.
+  std::int64_t slots() const { return (Lk + pat().m - 1) / pat().m * pat().n; }
+};
+
+/// How many checked elements were out of tolerance, the largest error and error / tolerance, and a
+/// description of the first bad element.
+struct check_report {
+  std::int64_t checked = 0;
+  std::int64_t bad = 0;
+  double max_err = 0;
+  double worst = 0;
+  std::string first;
+  void add(double err, double tol, const std::string& where) {
+    ++checked;
+    max_err = std::max(max_err, err);
+    if (tol > 0) worst = std::max(worst, err / tol);
+    if (!(err <= tol) && bad++ == 0) first = where;
+  }
+};
+
+/// @brief SDDMM: @p scores are the slice's exact, unmasked Q K^T (Lq x Lk, row-major). Expected:
+/// nm_compress of the masked scores, each kept value times scale_log2 in f32 and rounded to nearest
+/// HT (the kernel's own arithmetic), bit for bit; the metadata words of nm_metadata_encode at the
+/// reordered offsets; every nibble of the slice legal. @p idx receives nm_compress's kept keys.
+template <typename HT>
+check_report check_sddmm(const slice_case& c, const std::vector<float>& scores, const HT* values,
+                         const std::uint32_t* meta, std::vector<std::int32_t>& idx) {
+  check_report rep;
+  const cuda::warp::score_mask mask{c.Lk, c.kv, c.causal, c.Lk - c.Lq};
+  std::vector<float> dense(static_cast<std::size_t>(c.Lq * c.Lk));
+  for (std::int64_t r = 0; r < c.Lq; ++r) {
+    for (std::int64_t j = 0; j < c.Lk; ++j) {
+      const std::size_t at = static_cast<std::size_t>(r * c.Lk + j);
+      dense[at] = mask.visible(r, j) ? scores[at] : -std::numeric_limits<float>::infinity();
+    }
+  }
+  const std::int64_t slots = c.slots();
+  std::vector<float> vals(static_cast<std::size_t>(c.Lq * slots));
+  idx.assign(vals.size(), 0);
+  dfss::nm_compress(dense.data(), c.Lq, c.Lk, c.Lk, c.pat(), vals.data(), idx.data());
+  for (std::int64_t r = 0; r < c.Lq; ++r) {
+    for (std::int64_t s = 0; s < slots; ++s) {
+      const HT want = dfss::from_double<HT>(vals[static_cast<std::size_t>(r * slots + s)] * c.scale_log2);
+      const HT got = values[c.lay.value_offset(r, s)];
+      rep.add(want.bits == got.bits ? 0.0 : 1.0, 0.0,
+              "value row " + std::to_string(r) + " slot " + std::to_string(s) + ": got " +
+                  std::to_string(dfss::to_double(got)) + ", want " + std::to_string(dfss::to_double(want)));
+    }
+  }
+  const std::int64_t wpr = dfss::nm_metadata_words_per_row(c.Lk, c.fmt());
+  std::vector<std::uint16_t> words(static_cast<std::size_t>(c.Lq * wpr));
+  dfss::nm_metadata_encode(idx.data(), c.Lq, c.Lk, c.pat(), c.fmt(), words.data());
+  for (std::int64_t r = 0; r < c.Lq; ++r) {
+    for (std::int64_t x = 0; x < wpr; ++x) {
+      const std::int64_t o16 = dfss::nm_meta_reordered_offset(r, x, c.lay.rows_padded);
+      const std::uint32_t w32 = meta[o16 / 2];
+      const std::uint32_t got = (o16 % 2 == 0) ? (w32 & 0xFFFFu) : (w32 >> 16);
+      rep.add(got == words[static_cast<std::size_t>(r * wpr + x)] ? 0.0 : 1.0, 0.0,
+              "metadata row " + std::to_string(r) + " word " + std::to_string(x));
+    }
+  }
+  for (std::int64_t x = 0; x < c.lay.meta_words(); ++x) {
+    for (int q = 0; q < 8; ++q) {
+      rep.add(dfss::is_legal_ordered_nibble((meta[x] >> (4 * q)) & 0xFu) ? 0.0 : 1.0, 0.0,
+              "illegal nibble in metadata int32 " + std::to_string(x));
+    }
+  }
+  return rep;
+}
+
+/// @brief Softmax, on the SDDMM's own values @p s_vals, against fp64. The kernel works in f32
+/// (exp2f, an online max / sum) with relative error ~1e-6 over these row lengths, far below half an
+/// ulp of HT (2^-9 bf16, 2^-12 f16), so each stored probability is the correctly rounded fp64 value
+/// or its neighbour: tolerance 1 ulp of HT (@p bits significand bits, smallest normal exponent
+/// @p min_exp) at the fp64 value. LSE = ln 2 (max + log2 sum) in f32: the f32 sum of n terms is
+/// within n 2^-24 relative, the rest a few f32 roundings, so |error| <= n 2^-24 + 2^-22 (|max| + 1);
+/// an empty row (no finite score) must give zeros and LSE -inf. Returns {probabilities, LSE}.
+template <typename HT>
+std::array<check_report, 2> check_softmax(const slice_case& c, const HT* s_vals, const HT* p_vals, const float* lse,
+                                          int bits, int min_exp) {
+  std::array<check_report, 2> rep;
+  const std::int64_t cols = c.lay.keys_padded / 2;
+  for (std::int64_t r = 0; r < c.Lq; ++r) {
+    const HT* sr = s_vals + c.lay.value_offset(r, 0);
+    const HT* pr = p_vals + c.lay.value_offset(r, 0);
+    double m = -std::numeric_limits<double>::infinity(), sum = 0;
+    for (std::int64_t x = 0; x < cols; ++x) m = std::max(m, dfss::to_double(sr[x]));
+    const bool empty = std::isinf(m);
+    if (!empty) {
+      for (std::int64_t x = 0; x < cols; ++x) sum += std::exp2(dfss::to_double(sr[x]) - m);
+    }
+    for (std::int64_t x = 0; x < cols; ++x) {
+      const double want = empty ? 0.0 : std::exp2(dfss::to_double(sr[x]) - m) / sum;
+      const double got = dfss::to_double(pr[x]);
+      rep[0].add(std::fabs(got - want), ulp_at(want, bits, min_exp),
+                 "row " + std::to_string(r) + " column " + std::to_string(x) + ": got " + std::to_string(got) +
+                     ", want " + std::to_string(want));
+    }
+    if (lse == nullptr) continue;
+    const double got = lse[r];
+    if (empty) {
+      rep[1].add(std::isinf(got) && got < 0 ? 0.0 : 1.0, 0.0, "row " + std::to_string(r) + ": want -inf");
+    } else {
+      const double want = std::log(2.0) * (m + std::log2(sum));
+      const double tol = static_cast<double>(cols) * std::ldexp(1.0, -24) + std::ldexp(1.0, -22) * (std::fabs(m) + 1);
+      rep[1].add(std::fabs(got - want), tol,
+                 "row " + std::to_string(r) + ": got " + std::to_string(got) + ", want " + std::to_string(want));
+    }
+  }
+  return rep;
+}
+
+/// @brief SpMM, on the softmax's own probabilities @p p_vals and nm_compress's kept keys @p idx (the
+/// device's metadata when check_sddmm passed): O[r][x] = sum over kept keys < kv of p v[key][x], V
+/// rows @p v_row elements apart, O rows @p o_row apart, @p d columns. Products of two 16-bit values
+/// are exact in f32 and summed in f32 over the n kept keys: |error| <= n 2^-24 sum |p v| with
+/// round-to-nearest additions; tensor cores may truncate inside an MMA, so the tolerance doubles it.
+template <typename HT>
+check_report check_spmm(const slice_case& c, const std::vector<std::int32_t>& idx, const HT* p_vals, const HT* v,
+                        std::int64_t v_row, const float* o, std::int64_t o_row, int d) {
+  check_report rep;
+  const std::int64_t slots = c.slots();
+  for (std::int64_t r = 0; r < c.Lq; ++r) {
+    const HT* prow = p_vals + c.lay.value_offset(r, 0);
+    for (int x = 0; x < d; ++x) {
+      double want = 0, mag = 0;
+      std::int64_t n = 0;
+      for (std::int64_t s = 0; s < slots; ++s) {
+        const std::int64_t key = idx[static_cast<std::size_t>(r * slots + s)];
+        if (key >= c.kv) continue;  // padding, or past the batch's length: V is zero-filled there
+        const double t = dfss::to_double(prow[s]) * dfss::to_double(v[key * v_row + x]);
+        want += t;
+        mag += std::fabs(t);
+        ++n;
+      }
+      const double got = o[r * o_row + x];
+      rep.add(std::fabs(got - want), 2.0 * static_cast<double>(std::max<std::int64_t>(n, 1)) * std::ldexp(1.0, -24) * mag,
+              "row " + std::to_string(r) + " column " + std::to_string(x) + ": got " + std::to_string(got) + ", want " +
+                  std::to_string(want));
+    }
+  }
+  return rep;
 }
 
 }  // namespace dfss::probe

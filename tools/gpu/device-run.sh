@@ -24,11 +24,11 @@
 #             e.g. when the carried ones do not load; takes about 1-2 minutes of the budget.
 # Exit: 0 when the probe and the GPU tests passed, 1 otherwise, 2 when there is nothing to run.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 2
 start=$(date +%s)
 budget=270
 build=0
-carry=build-device/carry
+carry="build-device/carry"
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build=1;;
@@ -44,7 +44,8 @@ out=$(cd "$out" && pwd)
 logs=$(mktemp -d)
 summary="$out/summary.txt"
 : >"$summary"
-export PATH="/usr/local/cuda/bin:$PATH:$(ls -d /opt/nvidia/nsight-compute/*/ 2>/dev/null | tail -n 1)"
+ncu_dir=$(ls -d /opt/nvidia/nsight-compute/*/ 2>/dev/null | tail -n 1)
+export PATH="/usr/local/cuda/bin:$PATH${ncu_dir:+:$ncu_dir}"
 
 now() { echo $(( $(date +%s) - start )); }
 say() { echo "$*" | tee -a "$summary"; }
@@ -55,7 +56,8 @@ step() {
   local left=$(( budget - $(now) ))
   if [ "$left" -lt 8 ]; then rc=-1; secs=0; return 1; fi
   local t=$(( max < left ? max : left ))
-  local s=$(date +%s)
+  local s
+  s=$(date +%s)
   timeout -k 5 "$t" "$@" >"$logs/$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - s ))
@@ -76,7 +78,7 @@ if [ $build -eq 1 ]; then
   step build.log 240 env JOBS="$(nproc)" DFSS_GTEST_SOURCE_DIR="$carry/googletest" DFSS_DEVICE_MAX_GLIBC=999 \
     bash tools/gpu/build-for-device.sh build-device-native
   say "build: $(verdict) in ${secs} s (build-device-native/carry)"
-  carry=build-device-native/carry
+  carry="build-device-native/carry"
 fi
 bin="$carry/bin"
 if [ ! -x "$bin/dfss_gpu_probe" ]; then

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check for the CUDA backend, in at most 6 minutes, with only CMake, nvcc, g++ and
-# PyTorch: builds dfss for this machine's GPU, runs the GPU tests (CTest label gpu), compute-sanitizer
+# PyTorch, for a GPU machine with a full toolchain and GoogleTest (sources will do). For the lent
+# GPU machines (15 minutes, no GoogleTest) build elsewhere with tools/gpu/build-for-device.sh and
+# run tools/gpu/device-run.sh there instead (docs/gpu-results.md). This script builds dfss for this
+# machine's GPU, runs dfss_gpu_probe and the GPU tests (CTest label gpu), compute-sanitizer
 # memcheck and racecheck on small cases (when compute-sanitizer is installed), then the benchmark
 # (DFSS 2:4 and 1:2 vs the dense cuBLAS pipeline, per-kernel times) and PyTorch SDPA on the same grid,
 # and prints a short table last.
@@ -37,17 +40,21 @@ for dir in "${DFSS_GTEST_SOURCE_DIR:-}" .gpu-deps/googletest /usr/src/googletest
 done
 
 # 1. Build (about 1-2 minutes on 16 cores): the library, the GPU tests and the benchmark only.
+#    DFSS_WERROR=OFF: the host compiler there is unknown, and a new warning of it must not stop the
+#    GPU run; the CUDA targets keep their own -Werror=all-warnings (nvcc is the one CI builds with).
 jobs=$(nproc)
 timeout 200 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DDFSS_ENABLE_CUDA=ON \
   -DDFSS_CUDA_ARCHITECTURES="$arch" -DDFSS_BUILD_TOOLS=OFF -DDFSS_BUILD_BENCH=OFF \
-  -DDFSS_BUILD_CUDA_BENCH=ON -DDFSS_WERROR=ON "${gtest_args[@]}" >"$logdir/configure.log" 2>&1 \
+  -DDFSS_BUILD_CUDA_BENCH=ON -DDFSS_WERROR=OFF "${gtest_args[@]}" >"$logdir/configure.log" 2>&1 \
   || { tail -n 30 "$logdir/configure.log"; exit 1; }
 timeout 240 cmake --build build-gpu -j "$jobs" --target test_nm_format_gpu test_attention_gpu \
-  test_cuda_warp dfss_bench_cuda >"$logdir/build.log" 2>&1 || { grep -E "error|warning" "$logdir/build.log" | head -n 40; exit 1; }
+  dfss_gpu_probe test_cuda_warp dfss_bench_cuda >"$logdir/build.log" 2>&1 || { grep -E "error|warning" "$logdir/build.log" | head -n 40; exit 1; }
 echo "gpu-check: built in $(elapsed) s"
 
-# 2. GPU tests (and the CPU simulation of the warp maths, as a sanity check of this build).
+# 2. The probe, the GPU tests (and the CPU simulation of the warp maths, as a sanity check of this build).
 tests_rc=0
+timeout 60 build-gpu/tests/cuda/dfss_gpu_probe >"$logdir/probe.log" 2>&1 || tests_rc=$?
+grep -E '^PROBE|^SKIP' "$logdir/probe.log"
 (cd build-gpu && timeout 150 ctest -L gpu --output-on-failure >"$logdir/ctest-gpu.log" 2>&1) || tests_rc=$?
 build-gpu/tests/test_cuda_warp >"$logdir/test_cuda_warp.log" 2>&1 || tests_rc=$?
 tail -n 15 "$logdir/ctest-gpu.log"

@@ -10,6 +10,7 @@
 #include "cuda/pipeline.cuh"
 #include "cuda/ptx.cuh"
 #include "cuda/warp/device_warp.cuh"
+#include "cuda/warp/ldmatrix_addr.hpp"
 #include "cuda/warp/sddmm_epilogue.hpp"
 
 namespace dfss::cuda {
@@ -71,16 +72,15 @@ __global__ void __launch_bounds__(kThreads) sddmm_select_kernel(pipeline_args a)
     std::uint32_t af[2][4];
     DFSS_UNROLL
     for (int i = 0; i < 2; ++i) {
-      ptx::ldmatrix_x4(af[i], &qs[32 * wr + 16 * i + (lane & 15)][kk + 8 * (lane >> 4)]);
+      const warp::smem_coord at = warp::ldsm_a16_x4(lane);
+      ptx::ldmatrix_x4(af[i], &qs[32 * wr + 16 * i + at.row][kk + at.col]);
     }
     DFSS_UNROLL
     for (int jp = 0; jp < 2; ++jp) {
-      // Matrix m = lane / 8: n8 tile 2 jp + m / 2, k half m % 2; its row lane % 8 is the key of
-      // accumulator column 8 (2 jp + m / 2) + lane % 8 under the permutation.
-      const int m = lane >> 3;
-      const int key = warp::sddmm16_key_of_column(8 * (2 * jp + (m >> 1)) + (lane & 7));
+      // Matrix m = lane / 8: n8 tile 2 jp + m / 2, k half m % 2, keys permuted (ldmatrix_addr.hpp).
+      const warp::smem_coord at = warp::ldsm_sddmm16_b_x4(lane, jp);
       std::uint32_t bf[4];
-      ptx::ldmatrix_x4(bf, &ks[32 * wk + key][kk + 8 * (m & 1)]);
+      ptx::ldmatrix_x4(bf, &ks[32 * wk + at.row][kk + at.col]);
       DFSS_UNROLL
       for (int i = 0; i < 2; ++i) {
         ptx::mma_m16n8k16<T>(acc[i][2 * jp], af[i], bf[0], bf[1]);

@@ -13,6 +13,7 @@
 // exactly 0 even when their V rows hold NaN or Inf.
 #include "cuda/pipeline.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/warp/ldmatrix_addr.hpp"
 
 namespace dfss::cuda {
 namespace {
@@ -106,12 +107,14 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(pipeline_args a) {
       std::uint32_t af[2][4];
       DFSS_UNROLL
       for (int i = 0; i < 2; ++i) {
-        ptx::ldmatrix_x4(af[i], &ps[stage][32 * wm + 16 * i + (lane & 15)][16 * ks + 8 * (lane >> 4)]);
+        const warp::smem_coord at = warp::ldsm_a16_x4(lane);
+        ptx::ldmatrix_x4(af[i], &ps[stage][32 * wm + 16 * i + at.row][16 * ks + at.col]);
       }
       DFSS_UNROLL
       for (int n = 0; n < 8; ++n) {
         std::uint32_t bf[4];
-        ptx::ldmatrix_x4_trans(bf, &vs[stage][32 * ks + lane][64 * wn + 8 * n]);
+        const warp::smem_coord bt = warp::ldsm_spmm_b_x4_trans(lane);
+        ptx::ldmatrix_x4_trans(bf, &vs[stage][32 * ks + bt.row][64 * wn + 8 * n + bt.col]);
         ptx::mma_sp_m16n8k32<T, 0>(acc[0][n], af[0], bf, e_cur[ks]);
         ptx::mma_sp_m16n8k32<T, 1>(acc[1][n], af[1], bf, e_cur[ks]);
       }

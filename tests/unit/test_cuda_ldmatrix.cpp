@@ -1,0 +1,191 @@
+// CPU emulation of ldmatrix.x4 and ldmatrix.x4.trans (PTX ISA 9.7.14.5.15) on the kernels' own
+// shared-memory address expressions (src/cuda/warp/ldmatrix_addr.hpp, with the tile origins and
+// padded row lengths of sddmm_select.cu and spmm.cu): for all 32 lanes, every register half must
+// receive exactly the element that mma_fragments.hpp's fragment map assigns to it. The emulation
+// is written from the PTX description alone: lane i's address is row i % 8 of matrix i / 8;
+// register m of lane l holds (row l / 4, columns 2 (l % 4) + j) of matrix m, transposed with .trans.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda/warp/ldmatrix_addr.hpp"
+#include "cuda/warp/mma_fragments.hpp"
+
+namespace {
+
+namespace w = dfss::cuda::warp;
+
+// A shared-memory tile of rows x stride 16-bit elements whose every element holds its own
+// (row, column) encoded as row * 4096 + column, so a loaded value names where it came from.
+struct tile {
+  int rows;
+  int stride;
+  std::uint32_t at(int r, int c) const {
+    EXPECT_GE(r, 0);
+    EXPECT_LT(r, rows);
+    EXPECT_GE(c, 0);
+    EXPECT_LE(c + 8, stride) << "an 8-element ldmatrix row runs past the padded row";
+    return static_cast<std::uint32_t>(r * 4096 + c);
+  }
+};
+std::uint32_t code(int r, int c) { return static_cast<std::uint32_t>(r * 4096 + c); }
+
+// regs[lane][m][j]: element j (0, 1) of register m of lane, as tile codes. addr(lane) = the (row,
+// column) of the first of the 8 elements that lane's address points at.
+using regs_t = std::vector<std::vector<std::vector<std::uint32_t>>>;
+
+template <typename Addr>
+regs_t ldmatrix_x4(const tile& t, Addr addr, bool trans) {
+  regs_t out(32, std::vector<std::vector<std::uint32_t>>(4, std::vector<std::uint32_t>(2)));
+  for (int lane = 0; lane < 32; ++lane) {
+    const int t4 = lane % 4;
+    for (int m = 0; m < 4; ++m) {
+      for (int j = 0; j < 2; ++j) {
+        // Element (row, col) of 8x8 matrix m: row `row` comes from the address of lane 8 m + row.
+        const int row = trans ? 2 * t4 + j : lane / 4;
+        const int col = trans ? lane / 4 : 2 * t4 + j;
+        const w::smem_coord a = addr(8 * m + row);
+        out[static_cast<std::size_t>(lane)][static_cast<std::size_t>(m)][static_cast<std::size_t>(j)] =
+            t.at(a.row, a.col + col);
+      }
+    }
+  }
+  return out;
+}
+
+// Shared-memory shapes of the kernels (sddmm_select.cu: kTileRows = kTileKeys = 64, kPad = 8;
+// spmm.cu: 64 keys per step, kPad = 8, compressed P rows of 32 + 8).
+constexpr int kPad = 8;
+
+TEST(CudaLdmatrix, SddmmQLoadsTheDenseAFragment) {
+  for (int d : {64, 128}) {
+    const tile qs{64, d + kPad};
+    for (int wr = 0; wr < 2; ++wr) {
+      for (int i = 0; i < 2; ++i) {
+        for (int kk = 0; kk < d; kk += 16) {
+          const int r0 = 32 * wr + 16 * i;
+          const regs_t got = ldmatrix_x4(qs, [&](int l) {
+            const w::smem_coord at = w::ldsm_a16_x4(l);
+            return w::smem_coord{r0 + at.row, kk + at.col};
+          }, false);
+          for (int lane = 0; lane < 32; ++lane) {
+            for (int e = 0; e < 8; ++e) {
+              const w::frag_coord c = w::mma_a16_coord(lane, e);
+              ASSERT_EQ(got[lane][e / 2][e % 2], code(r0 + c.row, kk + c.col))
+                  << "d " << d << " wr " << wr << " i " << i << " kk " << kk << " lane " << lane << " a" << e;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaLdmatrix, SddmmKLoadsPermutedBFragments) {
+  for (int d : {64, 128}) {
+    const tile ks{64, d + kPad};
+    for (int wk = 0; wk < 2; ++wk) {
+      for (int jp = 0; jp < 2; ++jp) {
+        for (int kk = 0; kk < d; kk += 16) {
+          const regs_t got = ldmatrix_x4(ks, [&](int l) {
+            const w::smem_coord at = w::ldsm_sddmm16_b_x4(l, jp);
+            return w::smem_coord{32 * wk + at.row, kk + at.col};
+          }, false);
+          // bf[0], bf[1]: B of n8 tile 2 jp; bf[2], bf[3]: n8 tile 2 jp + 1. B(k, n) of n8 tile j is
+          // K row (key of accumulator column 8 j + n), head-dim column kk + k.
+          for (int lane = 0; lane < 32; ++lane) {
+            for (int half = 0; half < 2; ++half) {
+              const int j = 2 * jp + half;
+              for (int e = 0; e < 4; ++e) {
+                const w::frag_coord c = w::mma_b16_coord(lane, e);
+                const int key = 32 * wk + w::sddmm16_key_of_column(8 * j + c.col);
+                ASSERT_EQ(got[lane][2 * half + e / 2][e % 2], code(key, kk + c.row))
+                    << "d " << d << " wk " << wk << " jp " << jp << " kk " << kk << " lane " << lane << " b" << e;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaLdmatrix, SpmmPLoadsTheSparseAFragment) {
+  for (int rows : {128, 64}) {  // D = 64 and D = 128 tiles
+    const tile ps{rows, 32 + kPad};
+    for (int wm = 0; wm < rows / 32; ++wm) {
+      for (int i = 0; i < 2; ++i) {
+        for (int kstep = 0; kstep < 2; ++kstep) {
+          const int r0 = 32 * wm + 16 * i;
+          const regs_t got = ldmatrix_x4(ps, [&](int l) {
+            const w::smem_coord at = w::ldsm_a16_x4(l);
+            return w::smem_coord{r0 + at.row, 16 * kstep + at.col};
+          }, false);
+          for (int lane = 0; lane < 32; ++lane) {
+            for (int e = 0; e < 8; ++e) {
+              const w::frag_coord c = w::mma_sp_a16_coord(lane, e);
+              ASSERT_EQ(got[lane][e / 2][e % 2], code(r0 + c.row, 16 * kstep + c.col))
+                  << "rows " << rows << " wm " << wm << " i " << i << " ks " << kstep << " lane " << lane << " a" << e;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaLdmatrix, SpmmVTransLoadsTheSparseBFragment) {
+  for (int d : {64, 128}) {
+    const tile vs{64, d + kPad};
+    for (int wn = 0; wn < d / 64; ++wn) {
+      for (int kstep = 0; kstep < 2; ++kstep) {
+        for (int n = 0; n < 8; ++n) {
+          const int c0 = 64 * wn + 8 * n;
+          const regs_t got = ldmatrix_x4(vs, [&](int l) {
+            const w::smem_coord at = w::ldsm_spmm_b_x4_trans(l);
+            return w::smem_coord{32 * kstep + at.row, c0 + at.col};
+          }, true);
+          for (int lane = 0; lane < 32; ++lane) {
+            for (int e = 0; e < 8; ++e) {
+              const w::frag_coord c = w::mma_sp_b16_coord(lane, e);  // (k, n)
+              ASSERT_EQ(got[lane][e / 2][e % 2], code(32 * kstep + c.row, c0 + c.col))
+                  << "d " << d << " wn " << wn << " ks " << kstep << " n " << n << " lane " << lane << " b" << e;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The emulation is not vacuous: a non-transposed load of V, or Q's A-fragment addresses shifted by
+// one row, puts elements in the wrong registers.
+TEST(CudaLdmatrix, TheEmulationSeesWrongAddressesAndAMissingTrans) {
+  const tile vs{64, 64 + kPad};
+  const regs_t plain = ldmatrix_x4(vs, [](int l) { return w::ldsm_spmm_b_x4_trans(l); }, false);
+  int wrong = 0;
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int e = 0; e < 8; ++e) {
+      const w::frag_coord c = w::mma_sp_b16_coord(lane, e);
+      wrong += plain[lane][e / 2][e % 2] != code(c.row, c.col);
+    }
+  }
+  EXPECT_GT(wrong, 200);
+  const tile qs{64, 64 + kPad};
+  const regs_t shifted = ldmatrix_x4(qs, [](int l) {
+    const w::smem_coord at = w::ldsm_a16_x4((l + 1) % 32);
+    return at;
+  }, false);
+  wrong = 0;
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int e = 0; e < 8; ++e) {
+      const w::frag_coord c = w::mma_a16_coord(lane, e);
+      wrong += shifted[lane][e / 2][e % 2] != code(c.row, c.col);
+    }
+  }
+  EXPECT_EQ(wrong, 256);
+}
+
+}  // namespace

@@ -12,7 +12,8 @@
 //  - `bench` is parsed only (it times large problems and starts Python).
 // Nothing real can be overwritten: inputs with a '/' in any argument are skipped, so every path the
 // CLI could write resolves inside the private directory (".." and "." are directories and cannot be
-// opened as files); its contents are deleted after each input and the directory at exit.
+// opened as files); its contents are deleted after each input and the directory at exit (after a
+// finding, which aborts, it stays behind, empty, under $TMPDIR).
 // Output of the commands is discarded (std::cout and std::cerr, and stdout for the demo's printf);
 // the target's own messages and the sanitizers' reports go to stderr.
 #include <fcntl.h>

@@ -29,7 +29,8 @@ for name in "${targets[@]}"; do
   # -rss_limit_mb: libFuzzer's default (2 GiB) made explicit; more is a memory blow-up.
   # The first corpus directory receives the new inputs; the seed directories are only read.
   started=$(date +%s)
-  if "build-fuzz/tests/fuzz/fuzz_$name" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=2048 \
+  # TMPDIR: fuzz_cli's private directory lives there, and stays after a finding (abort skips atexit).
+  if TMPDIR="$dir" "build-fuzz/tests/fuzz/fuzz_$name" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=2048 \
        -print_final_stats=1 -artifact_prefix="$dir/" "$dir/corpus" "${seeds[@]}" >"$dir/log" 2>&1; then
     result="no finding"
   else

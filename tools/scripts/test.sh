@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README.md): the CI build (warnings as errors, the LibTorch operator,
 # CUDA compiled when nvcc is present) with all tests, including the Python package's pytest suite
-# (which must run here, not skip), then the AddressSanitizer + UBSan build with all tests.
+# (which must run here, not skip), then the AddressSanitizer + UBSan build with all tests, then each
+# libFuzzer target (tests/fuzz, clang) for DFSS_FUZZ_SECONDS seconds (default 60).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 jobs=$(nproc 2>/dev/null || echo 2)
@@ -10,3 +11,4 @@ export CTEST_PARALLEL_LEVEL=${CTEST_PARALLEL_LEVEL:-$jobs}
 export DFSS_REQUIRE_PYTHON_TESTS=1
 cmake --workflow --preset ci
 cmake --workflow --preset asan
+bash tests/fuzz/run_fuzzers.sh "${DFSS_FUZZ_SECONDS:-60}"

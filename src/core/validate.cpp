@@ -108,7 +108,9 @@ bool check_view(checker& c, const char* name, const tensor_view& t, int rank) {
   }
   if (empty) return true;
   std::int64_t bytes = 0;
-  if (mul_overflows(max_off + 1, static_cast<std::int64_t>(esize), bytes) ||
+  std::int64_t elements = 0;  // max_off + 1, which overflows for an offset of exactly INT64_MAX
+  if (__builtin_add_overflow(max_off, 1, &elements) ||
+      mul_overflows(elements, static_cast<std::int64_t>(esize), bytes) ||
       static_cast<std::uint64_t>(bytes) > UINTPTR_MAX - reinterpret_cast<std::uintptr_t>(t.data)) {
     c.fail(name, "a byte extent that fits in the address space", "shape " + shape_str(t) + " that overflows");
     return false;
@@ -311,10 +313,13 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
     c.fail("config.scale", "a finite value >= 0 (0 means 1/sqrt(head_dim))", got.str());
     return;
   }
-  if (p.input_type != dtype::f64 && config.scale > static_cast<double>(std::numeric_limits<float>::max())) {
-    // f32, f16 and bf16 inputs are computed in fp32, where such a scale does not exist.
+  const double fmin = static_cast<double>(std::numeric_limits<float>::min());
+  const double fmax = static_cast<double>(std::numeric_limits<float>::max());
+  if (p.input_type != dtype::f64 && config.scale != 0.0 && (config.scale < fmin || config.scale > fmax)) {
+    // f32, f16 and bf16 inputs are computed in fp32, where a scale above float max does not exist
+    // and one below the smallest normal float rounds to 0 or loses its precision.
     std::ostringstream want, got;
-    want << "a value <= " << std::numeric_limits<float>::max() << " (float max) for " << dtype_name(p.input_type)
+    want << "0 or a value in [" << fmin << ", " << fmax << "] (normal fp32 numbers) for " << dtype_name(p.input_type)
          << " inputs, which are computed in fp32";
     got << config.scale;
     c.fail("config.scale", want.str(), got.str());
@@ -329,6 +334,11 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
     return;
   }
   p.num_threads = config.num_threads;
+  if (config.cpu_algorithm != cpu_algorithm::fused && config.cpu_algorithm != cpu_algorithm::three_stage) {
+    c.fail("config.cpu_algorithm", "fused or three_stage",
+           "value " + std::to_string(static_cast<int>(config.cpu_algorithm)));
+    return;
+  }
 
   if (bias.present()) {
     if (!check_view(c, "bias", bias, 4)) return;

@@ -260,6 +260,13 @@ class CliTest(DfssCliCase):
                                                   "--threads", "100000"], "num_threads")
         self.expect_bad_input(["attention", "--q", "x.npy"], "--k")
 
+    def test_demo_bad_arguments_exit_2(self):
+        # Found by fuzzing: a thread count the library rejects used to escape as "internal error".
+        self.expect_bad_input(["demo", "--batch", "1", "--heads", "1", "--seq-len", "4", "--head-dim", "2",
+                               "--threads", "-1"], "--threads", "[0, 1024]", "-1")
+        self.expect_bad_input(["demo", "--batch", "100000000000", "--heads", "100000", "--seq-len", "100000",
+                               "--head-dim", "2"], "overflows")
+
     def test_info_and_default_job(self):
         r = self.run_dfss("info")
         self.assertEqual(r.returncode, 0, r.stderr)

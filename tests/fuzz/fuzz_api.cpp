@@ -20,8 +20,8 @@
 //    answers "unsupported" when the call throws unsupported, and "supported" when it runs);
 //  - arguments that are invalid by the documented contract are rejected (wrong rank, unknown element
 //    type, non-float q, mismatched k/v types, negative sizes, d = 0, invalid N:M, scale negative,
-//    NaN, inf or above FLT_MAX for non-f64 inputs, num_threads < 0 or > 1024, key lengths outside
-//    [0, Lk], Lk > INT32_MAX, compressed outputs outside the cpu three-stage kernel);
+//    NaN, inf, or (for non-f64 inputs) non-zero outside [FLT_MIN, FLT_MAX], num_threads < 0 or
+//    > 1024, key lengths outside [0, Lk], Lk > INT32_MAX, compressed outputs outside the cpu three-stage kernel);
 //  - a call that succeeds matches the fp64 reference (backend::reference on packed f64 copies of the
 //    same values) within the tolerances below, and writes nothing outside its outputs' elements;
 //  - a call that fails changes nothing outside its outputs' elements either.
@@ -55,6 +55,7 @@ using u64 = std::uint64_t;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kFloatMax = static_cast<double>(std::numeric_limits<float>::max());
+constexpr double kFloatMin = static_cast<double>(std::numeric_limits<float>::min());
 
 // Multiply-adds of Q K^T (B * H * Lq * Lk * d) above which a call is only validated: the fp64
 // reference, the kernel and the backward then stay around a millisecond per input under ASan.
@@ -658,8 +659,13 @@ std::optional<std::string> clearly_invalid(const decoded& c, const std::vector<i
   if (pat.n < 1 || pat.m < pat.n || pat.m > dfss::kMaxGroupSize) return "an invalid N:M pattern";
   const double sc = c.cfg.scale;
   if (!(sc >= 0) || std::isinf(sc)) return "a negative, NaN or infinite scale";
-  if (t[Q].type != dtype::f64 && sc > kFloatMax) return "a scale above FLT_MAX for non-f64 inputs";
+  if (t[Q].type != dtype::f64 && sc != 0 && (sc > kFloatMax || sc < kFloatMin)) {
+    return "a scale outside [FLT_MIN, FLT_MAX] for non-f64 inputs";
+  }
   if (c.cfg.num_threads < 0 || c.cfg.num_threads > kMaxThreads) return "num_threads outside [0, 1024]";
+  if (c.cfg.cpu_algorithm != dfss::cpu_algorithm::fused && c.cfg.cpu_algorithm != dfss::cpu_algorithm::three_stage) {
+    return "an unknown cpu_algorithm";
+  }
   if (t[BIAS].present && !is_float(t[BIAS].type)) return "a non-float bias";
   if (t[DBIAS].present && !t[BIAS].present) return "dbias without bias";
   const bool compressed = t[CVALS].present || t[CIDX].present || t[CMETA].present;

@@ -187,6 +187,17 @@ TEST(Api, OptionsAreChecked) {
   expect_error([&] { attention_forward(fx.f, cfg); }, status_code::invalid_argument, {"'config.scale'", ">= 0", "-1"});
   cfg.scale = std::numeric_limits<double>::quiet_NaN();
   expect_error([&] { attention_forward(fx.f, cfg); }, status_code::invalid_argument, {"'config.scale'", "nan"});
+  // A positive scale below the smallest normal float rounds to 0 (or loses precision) in the fp32
+  // kernels: rejected for f32 inputs (the fuzzer found all-NaN rows from -inf * 0 there).
+  cfg.scale = 1e-300;
+  expect_error([&] { attention_forward(fx.f, cfg); }, status_code::invalid_argument,
+               {"'config.scale'", "0 or a value in [1.17549e-38, 3.40282e+38]", "for f32 inputs", "got 1e-300"});
+  cfg.scale = 1.2e-38;
+  EXPECT_NO_THROW(attention_forward(fx.f, cfg));
+  cfg = {};
+  cfg.cpu_algorithm = static_cast<cpu_algorithm>(7);  // used to run as fused, unnoticed (fuzz_api)
+  expect_error([&] { attention_forward(fx.f, cfg); }, status_code::invalid_argument,
+               {"'config.cpu_algorithm'", "fused or three_stage", "value 7"});
   cfg = {};
   cfg.num_threads = -2;
   expect_error([&] { attention_forward(fx.f, cfg); }, status_code::invalid_argument, {"'config.num_threads'", "-2"});
@@ -200,6 +211,11 @@ TEST(Api, SizesWhoseProductsOverflow) {
   fx.reset();
   fx.f.k.stride = {std::int64_t{1} << 62, 16, 8, 1};
   expect_error([&] { attention_forward(fx.f); }, status_code::invalid_argument, {"'k'", "overflows"});
+  fx.reset();
+  // The largest offset exactly INT64_MAX: one more element overflows (found by fuzz_api, UBSan).
+  fx.f.q.shape = {2, 1, 1, 1};
+  fx.f.q.stride = {std::numeric_limits<std::int64_t>::max(), 1, 1, 1};
+  expect_error([&] { attention_forward(fx.f); }, status_code::invalid_argument, {"'q'", "overflows"});
   fx.reset();
   fx.f.v.stride = {96, -16, 8, 1};
   expect_error([&] { attention_forward(fx.f); }, status_code::invalid_argument, {"'v'", "stride[1] >= 0", "-16"});

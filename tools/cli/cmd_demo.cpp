@@ -39,12 +39,42 @@ void add_demo_command(CLI::App& app, demo_options& o) {
   c->add_option("--seed", o.seed, "random seed")->capture_default_str();
 }
 
+namespace {
+
+int run_demo_checked(const demo_options& o);
+
+}  // namespace
+
 int run_demo(const demo_options& o) {
   const std::int64_t B = o.batch, L = o.seq_len, H = o.heads, d = o.head_dim;
   if (B < 1 || L < 1 || H < 1 || d < 1) {
     std::fprintf(stderr, "dfss demo: --batch, --seq-len, --heads and --head-dim must be >= 1\n");
     return kExitBadInput;
   }
+  if (o.threads < 0 || o.threads > kMaxThreads) {
+    std::fprintf(stderr, "dfss demo: --threads: expected a count in [0, %d], got %d\n", kMaxThreads, o.threads);
+    return kExitBadInput;
+  }
+  std::int64_t n = 0;
+  if (__builtin_mul_overflow(B, L, &n) || __builtin_mul_overflow(n, H, &n) || __builtin_mul_overflow(n, d, &n)) {
+    std::fprintf(stderr, "dfss demo: --batch * --seq-len * --heads * --head-dim overflows 64 bits\n");
+    return kExitBadInput;
+  }
+  try {
+    return run_demo_checked(o);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "dfss demo: not enough memory for six fp32 tensors of %lld elements\n",
+                 static_cast<long long>(n));
+  } catch (const error& e) {
+    std::fprintf(stderr, "dfss demo: %s\n", e.what());
+  }
+  return kExitBadInput;
+}
+
+namespace {
+
+int run_demo_checked(const demo_options& o) {
+  const std::int64_t B = o.batch, L = o.seq_len, H = o.heads, d = o.head_dim;
   const auto n = static_cast<std::size_t>(B * L * H * d);
   std::vector<float> q(n), k(n), v(n);
   std::mt19937_64 rng(o.seed);
@@ -101,5 +131,7 @@ int run_demo(const demo_options& o) {
               "rounding error. The \"cpu kernel\" line says which kernel ran; README lists the backends.\n");
   return kExitOk;
 }
+
+}  // namespace
 
 }  // namespace dfss::cli

@@ -101,9 +101,9 @@ DFSS_HD float to_float(half h) { return f16_to_float(h.bits); }
 DFSS_HD float to_float(bfloat16 b) { return bf16_to_float(b.bits); }
 DFSS_HD float to_float(float f) { return f; }
 DFSS_HD double to_double(double d) { return d; }
-DFSS_HD double to_double(float f) { return f; }
-DFSS_HD double to_double(half h) { return f16_to_float(h.bits); }
-DFSS_HD double to_double(bfloat16 b) { return bf16_to_float(b.bits); }
+DFSS_HD double to_double(float f) { return static_cast<double>(f); }
+DFSS_HD double to_double(half h) { return static_cast<double>(f16_to_float(h.bits)); }
+DFSS_HD double to_double(bfloat16 b) { return static_cast<double>(bf16_to_float(b.bits)); }
 
 /// @brief Stores @p x into storage type T, rounding to nearest even. 16-bit types round through
 /// float; that double rounding can differ from a direct rounding by one ulp only when x lies within

@@ -31,12 +31,9 @@ pointer_get_attribute_fn driver_entry() noexcept {
   return fn;
 }
 
-}  // namespace
-
-bool is_device_pointer(const void* ptr) noexcept {
-  if (ptr == nullptr) return false;
-  const pointer_get_attribute_fn get = driver_entry();
-  if (get == nullptr) return false;
+/// is_device_pointer with the driver's entry point already looked up (null: no driver loaded).
+bool on_device(pointer_get_attribute_fn get, const void* ptr) noexcept {
+  if (ptr == nullptr || get == nullptr) return false;
   const auto address = static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(ptr));
   unsigned int type = 0;
   // Host memory the driver does not know answers CUDA_ERROR_INVALID_VALUE: host.
@@ -44,6 +41,10 @@ bool is_device_pointer(const void* ptr) noexcept {
   unsigned int managed = 0;
   return get(&managed, kAttributeIsManaged, address) != kCudaSuccess || managed == 0;
 }
+
+}  // namespace
+
+bool is_device_pointer(const void* ptr) noexcept { return on_device(driver_entry(), ptr); }
 
 const char* first_device_argument(const attention_params& p) noexcept {
   const struct {
@@ -54,8 +55,12 @@ const char* first_device_argument(const attention_params& p) noexcept {
               {"dout", p.dout}, {"dq", p.dq},   {"dk", p.dk},     {"dv", p.dv},
               {"dbias", p.dbias}, {"compressed_values", p.compressed_values},
               {"compressed_indices", p.compressed_indices}, {"compressed_meta", p.compressed_meta}};
+  // One driver look-up per call, not one per argument: without a loaded driver (the common case)
+  // each look-up is a dlopen(RTLD_NOLOAD) under the loader's lock.
+  const pointer_get_attribute_fn get = driver_entry();
+  if (get == nullptr) return nullptr;
   for (const auto& a : args) {
-    if (is_device_pointer(a.ptr)) return a.name;
+    if (on_device(get, a.ptr)) return a.name;
   }
   return nullptr;
 }

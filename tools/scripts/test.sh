@@ -10,5 +10,9 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$jobs}
 export CTEST_PARALLEL_LEVEL=${CTEST_PARALLEL_LEVEL:-$jobs}
 export DFSS_REQUIRE_PYTHON_TESTS=1
 cmake --workflow --preset ci
+# The CUDA kernels' static SASS counts per 32 x 32 tile (a speed proxy; issue 16 part 2) into the log.
+if ctest --test-dir build-ci -N -R '^cuda_sass_stats$' | grep -q 'Total Tests: 1'; then
+  ctest --test-dir build-ci -R '^cuda_sass_stats$' -V | sed -n 's/^[0-9]*: //p' | grep -E '^\||target' || true
+fi
 cmake --workflow --preset asan
 bash tests/fuzz/run_fuzzers.sh "${DFSS_FUZZ_SECONDS:-60}"

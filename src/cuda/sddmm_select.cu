@@ -48,17 +48,32 @@ __global__ void __launch_bounds__(kThreads) sddmm_select_kernel(pipeline_args a)
   const T* q = static_cast<const T*>(a.q) + b * a.q_stride[0] + h * a.q_stride[2];
   const T* k = static_cast<const T*>(a.k) + b * a.k_stride[0] + hkv * a.k_stride[2];
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int c = tid; c < kTileRows * kChunks; c += kThreads) {
+  // Rows of the tile that exist (the rest are zero-filled), as 32-bit counts: the copy loops below
+  // then need no 64-bit compares. Both loops have a trip count known at compile time (the tile
+  // divides evenly over the threads), so they unroll without branches.
+  static_assert(kTileRows * kChunks % kThreads == 0 && kTileKeys * kChunks % kThreads == 0);
+  const i64 q_left = a.seqlen_q - row0, k_left = a.seqlen_k - key0;
+  const int q_rows = q_left < kTileRows ? static_cast<int>(q_left) : kTileRows;
+  const int k_rows = k_left < kTileKeys ? static_cast<int>(k_left) : kTileKeys;
+  // Rows past the end are never read (cp.async with zero source bytes), but they still name the
+  // slice's first row, a valid address.
+  const T* q_tile = q + row0 * a.q_stride[1];
+  const T* k_tile = k + key0 * a.k_stride[1];
+  DFSS_UNROLL
+  for (int it = 0; it < kTileRows * kChunks / kThreads; ++it) {
+    const int c = tid + it * kThreads;
     const int r = c / kChunks;
     const int col = (c % kChunks) * 8;
-    const bool ok = row0 + r < a.seqlen_q;
-    ptx::cp_async_16(&qs[r][col], ok ? q + (row0 + r) * a.q_stride[1] + col : q, ok);
+    const bool ok = r < q_rows;
+    ptx::cp_async_16(&qs[r][col], ok ? q_tile + r * a.q_stride[1] + col : q, ok);
   }
-  for (int c = tid; c < kTileKeys * kChunks; c += kThreads) {
+  DFSS_UNROLL
+  for (int it = 0; it < kTileKeys * kChunks / kThreads; ++it) {
+    const int c = tid + it * kThreads;
     const int r = c / kChunks;
     const int col = (c % kChunks) * 8;
-    const bool ok = key0 + r < a.seqlen_k;
-    ptx::cp_async_16(&ks[r][col], ok ? k + (key0 + r) * a.k_stride[1] + col : k, ok);
+    const bool ok = r < k_rows;
+    ptx::cp_async_16(&ks[r][col], ok ? k_tile + r * a.k_stride[1] + col : k, ok);
   }
   ptx::cp_async_commit();
   ptx::cp_async_wait<0>();
@@ -95,13 +110,18 @@ __global__ void __launch_bounds__(kThreads) sddmm_select_kernel(pipeline_args a)
   const warp::score_mask mask{a.seqlen_k, kv_length(a, b), a.causal, a.seqlen_k - a.seqlen_q};
   warp::apply_unit16_mask(acc, lane, urow0, ukey0, mask);
   const warp::unit16_selection<float> sel = warp::select_unit16(acc, lane, P);
-  T* values = static_cast<T*>(a.values) + bh * a.layout.value_elems();
+  // The lane's stores are at fixed offsets from its first one: rows 16 i (+ 8 for e >= 2) and
+  // compressed columns + 8 (e >= 4), so one 64-bit address and constant offsets.
+  const std::int64_t ld = a.layout.keys_padded / 2;
+  const warp::unit16_store st0 = warp::unit16_value_store(lane, 0, 0, urow0, ukey0);
+  T* values = static_cast<T*>(a.values) + bh * a.layout.value_elems() + a.layout.value_offset(st0.row, st0.ccol);
   DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
     DFSS_UNROLL
     for (int e = 0; e < 8; e += 2) {
-      const warp::unit16_store st = warp::unit16_value_store(lane, i, e, urow0, ukey0);
-      *reinterpret_cast<std::uint32_t*>(values + a.layout.value_offset(st.row, st.ccol)) =
+      const warp::unit16_store st = warp::unit16_value_store(lane, i, e, 0, 0);
+      const warp::unit16_store base = warp::unit16_value_store(lane, 0, 0, 0, 0);
+      *reinterpret_cast<std::uint32_t*>(values + (st.row - base.row) * ld + (st.ccol - base.ccol)) =
           ptx::elem<T>::pack(sel.a[i][e] * a.scale_log2, sel.a[i][e + 1] * a.scale_log2);
     }
   }

@@ -42,7 +42,7 @@ class SassStats(unittest.TestCase):
         base, args = sass.short_name(
             "void dfss::cuda::(anonymous namespace)::sddmm_select_kernel<__nv_bfloat16, 64, "
             "(dfss::cuda::warp::sp_pattern)1>(dfss::cuda::pipeline_args)")
-        self.assertEqual((base, args), ("sddmm_select_kernel", "bf16, 64, 2:4"))
+        self.assertEqual((base, args), ("sddmm_select_kernel", "bf16, 64, 1:2"))  # sp_pattern::p1of2 == 1
 
 
 if __name__ == "__main__":

@@ -133,8 +133,9 @@ def short_name(demangled: str) -> tuple[str, str]:
     if not m:
         return demangled, ""
     args = m.group(2).replace("__nv_bfloat16", "bf16").replace("__half", "f16")
-    args = re.sub(r"\(dfss::cuda::warp::sp_pattern\)0", "1:2", args)
-    args = re.sub(r"\(dfss::cuda::warp::sp_pattern\)1", "2:4", args)
+    # src/cuda/warp/nm_warp_select.hpp: enum class sp_pattern { p2of4, p1of2 }.
+    args = re.sub(r"\(dfss::cuda::warp::sp_pattern\)0", "2:4", args)
+    args = re.sub(r"\(dfss::cuda::warp::sp_pattern\)1", "1:2", args)
     args = args.replace("dfss::cuda::warp::sp_pattern::p1of2", "1:2").replace("dfss::cuda::warp::sp_pattern::p2of4", "2:4")
     return m.group(1), args
 

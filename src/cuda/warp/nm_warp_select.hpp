@@ -28,13 +28,6 @@ enum class sp_pattern : int {
   p1of2,  ///< 16-bit 1:2, expressed as 2:4 nibbles (one kept key per pair)
 };
 
-/// @brief Keep mask (bits 0..3) of one 4-key group s[0..3] under @p p, by the format module's rule.
-template <typename T>
-DFSS_HD std::uint32_t select_group4(const T (&s)[4], sp_pattern p) {
-  if (p == sp_pattern::p2of4) return nm_select_2of4(s);
-  return nm_select_1of2(s) | (nm_select_1of2(s + 2) << 2);
-}
-
 /// @brief The two kept values of a 4-key group in increasing key order, chosen with selects on
 /// constant indices only (a run-time register index would force the array to local memory).
 /// @p nibble is the group's legal 2:4 nibble.
@@ -71,8 +64,21 @@ DFSS_UNROLL
         // Keys 16h + 4t + p, p = 0..3: columns 2t, 2t+1 of n8 tiles 2h and 2h+1, row half rh.
         const T s[4] = {acc[i][2 * h][2 * rh], acc[i][2 * h][2 * rh + 1], acc[i][2 * h + 1][2 * rh],
                         acc[i][2 * h + 1][2 * rh + 1]};
-        const std::uint32_t nibble = nm_nibble_2of4(select_group4(s, p));
-        kept_pair(s, nibble, out.a[i][4 * h + 2 * rh], out.a[i][4 * h + 2 * rh + 1]);
+        T& lo = out.a[i][4 * h + 2 * rh];
+        T& hi = out.a[i][4 * h + 2 * rh + 1];
+        std::uint32_t nibble;
+        if (p == sp_pattern::p1of2) {
+          // One ranking per pair; the nibble keeps index b0 of keys 0..1 and 2 + b1 of keys 2..3
+          // (nm_nibble_1of2_as_2of4 of the two masks, without the generic mask-to-nibble chain).
+          const std::uint32_t b0 = nm_ranks_above(s[1], 1, s[0], 0) ? 1u : 0u;
+          const std::uint32_t b1 = nm_ranks_above(s[3], 3, s[2], 2) ? 1u : 0u;
+          lo = b0 != 0u ? s[1] : s[0];
+          hi = b1 != 0u ? s[3] : s[2];
+          nibble = b0 | ((2u + b1) << 2);
+        } else {
+          nibble = nm_nibble_2of4(nm_select_2of4(s));
+          kept_pair(s, nibble, lo, hi);
+        }
         out.meta_bits[i][h] |= nibble << (16 * rh + 4 * t);
       }
     }

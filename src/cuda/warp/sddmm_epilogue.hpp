@@ -27,19 +27,35 @@ struct score_mask {
   }
 };
 
+/// @brief Exclusive end, relative to @p key0 and clamped to [0, 32], of the keys of row @p row that
+/// @p m leaves visible. The visible keys of a row are a prefix (every condition of score_mask is an
+/// upper bound on the key), so one 64-bit limit per row and 32-bit compares per element suffice.
+DFSS_HD int unit_visible_end(const score_mask& m, std::int64_t row, std::int64_t key0) {
+  std::int64_t end = m.keys < m.kv_len ? m.keys : m.kv_len;
+  if (m.causal && row + m.causal_offset + 1 < end) end = row + m.causal_offset + 1;
+  end -= key0;
+  return end < 0 ? 0 : (end > kUnitKeys16 ? kUnitKeys16 : static_cast<int>(end));
+}
+
 /// @brief Sets to -inf every accumulator of lane @p lane's 16-bit unit (rows row0.., keys key0..)
-/// that @p m masks. Selection then runs on the masked fp32 scores, as the semantics require.
+/// that @p m masks. Selection then runs on the masked fp32 scores, as the semantics require. A lane
+/// holds 4 rows (m16 tile i, row half rh): one limit each, then one compare per accumulator.
 template <typename T>
 DFSS_HD void apply_unit16_mask(T (&acc)[2][4][4], int lane, std::int64_t row0, std::int64_t key0,
                                const score_mask& m) {
+  int end[2][2];
+DFSS_UNROLL
+  for (int i = 0; i < 2; ++i) {
+DFSS_UNROLL
+    for (int rh = 0; rh < 2; ++rh) end[i][rh] = unit_visible_end(m, row0 + sddmm16_acc_coord(lane, i, 0, 2 * rh).row, key0);
+  }
 DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
 DFSS_UNROLL
     for (int j = 0; j < 4; ++j) {
 DFSS_UNROLL
       for (int r = 0; r < 4; ++r) {
-        const frag_coord c = sddmm16_acc_coord(lane, i, j, r);
-        if (!m.visible(row0 + c.row, key0 + c.col)) acc[i][j][r] = static_cast<T>(neg_inf_f32());
+        if (sddmm16_acc_coord(lane, i, j, r).col >= end[i][r >> 1]) acc[i][j][r] = static_cast<T>(neg_inf_f32());
       }
     }
   }

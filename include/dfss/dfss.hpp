@@ -6,6 +6,7 @@
 #include "dfss/config.hpp"
 #include "dfss/error.hpp"
 #include "dfss/format.hpp"
+#include "dfss/merge.hpp"
 #include "dfss/numeric.hpp"
 #include "dfss/params.hpp"
 #include "dfss/tensor.hpp"

@@ -8,6 +8,8 @@
 * ``torch.ops.dfss.attention``: the registered operator, [B, L, H, d] layout, returns (out, lse).
 * ``dfss.nn.DFSSAttention``: a multi-head attention module.
 * ``dfss.patch_attention(model)``: swaps the self-attention of BERT-style encoders for DFSS.
+* ``dfss.merge_attention_states``: the exact merge of results over key shards (split-K, context
+  parallelism).
 """
 import importlib.machinery
 import os
@@ -39,6 +41,7 @@ _load_operator_library()
 from .functional import attention  # noqa: E402
 from . import nn  # noqa: E402
 from .patch import patch_attention, PatchHandle  # noqa: E402
+from .merge import merge_attention_states  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["attention", "nn", "patch_attention", "PatchHandle"]
+__all__ = ["attention", "nn", "patch_attention", "PatchHandle", "merge_attention_states"]

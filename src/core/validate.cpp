@@ -587,4 +587,81 @@ status build_backward_params(const backward_args& a, const attention_config& con
   return status::success();
 }
 
+namespace {
+
+/// Views that are the same tensor: pointer, type, shape and strides all equal (the one overlap the
+/// merge allows: an in-place update of part a).
+bool same_view(const tensor_view& a, const tensor_view& b) {
+  if (a.data != b.data || a.type != b.type || a.rank != b.rank) return false;
+  for (int d = 0; d < a.rank; ++d) {
+    if (a.shape[d] != b.shape[d] || (a.shape[d] > 1 && a.stride[d] != b.stride[d])) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+status build_merge_params(const merge_args& a, int num_threads, const char* op, merge_params& p) {
+  checker c(op);
+  if (!check_view(c, "out_a", a.out_a, 4)) return c.result();
+  const dtype ot = a.out_a.type;
+  if (ot != dtype::f64 && ot != dtype::f32 && ot != dtype::f16 && ot != dtype::bf16) {
+    c.fail("out_a", "element type f64, f32, f16 or bf16", dtype_name(ot));
+    return c.result();
+  }
+  const dtype lt = ot == dtype::f64 ? dtype::f64 : dtype::f32;
+  for (const named_view& v : {named_view{"out_b", &a.out_b}, named_view{"out", &a.out}}) {
+    if (!check_view(c, v.name, *v.view, 4)) return c.result();
+    check_type(c, v.name, *v.view, ot);
+    check_same_shape(c, v.name, *v.view, "out_a", a.out_a);
+  }
+  for (const named_view& v : {named_view{"lse_a", &a.lse_a}, named_view{"lse_b", &a.lse_b}, named_view{"lse", &a.lse}}) {
+    if (!check_view(c, v.name, *v.view, 3)) return c.result();
+    check_type(c, v.name, *v.view, lt);
+    check_dim(c, v.name, *v.view, 0, "batch, out_a's shape[0]", a.out_a.shape[0]);
+    check_dim(c, v.name, *v.view, 1, "heads, out_a's shape[2]", a.out_a.shape[2]);
+    check_dim(c, v.name, *v.view, 2, "rows, out_a's shape[1]", a.out_a.shape[1]);
+  }
+  if (num_threads < 0 || num_threads > kMaxThreads) {
+    c.fail("num_threads", "a count in [0, " + std::to_string(kMaxThreads) + "] (0: all hardware threads)",
+           std::to_string(num_threads));
+  }
+  if (c.failed()) return c.result();
+  // Outputs: disjoint from everything, except that out may be exactly out_a and lse exactly lse_a.
+  std::vector<named_view> inputs{{"out_b", &a.out_b}, {"lse_b", &a.lse_b}};
+  if (!same_view(a.out, a.out_a)) inputs.push_back({"out_a", &a.out_a});
+  if (!same_view(a.lse, a.lse_a)) inputs.push_back({"lse_a", &a.lse_a});
+  // An in-place output still must not overlap the other part's arguments or the other output.
+  std::vector<named_view> outputs{{"out", &a.out}, {"lse", &a.lse}};
+  check_outputs(c, outputs, inputs);
+  if (same_view(a.out, a.out_a) && !c.failed() && may_overlap(a.out, a.lse_a)) {
+    c.fail("out", "memory disjoint from input 'lse_a'", "an overlapping buffer");
+  }
+  if (same_view(a.lse, a.lse_a) && !c.failed() && may_overlap(a.lse, a.out_a)) {
+    c.fail("lse", "memory disjoint from input 'out_a'", "an overlapping buffer");
+  }
+  if (c.failed()) return c.result();
+  p = merge_params{};
+  p.batch = a.out_a.shape[0];
+  p.seqlen = a.out_a.shape[1];
+  p.heads = a.out_a.shape[2];
+  p.head_dim = a.out_a.shape[3];
+  p.out_type = ot;
+  p.lse_type = lt;
+  p.out_a = a.out_a.data;
+  p.out_b = a.out_b.data;
+  p.out = a.out.data;
+  p.lse_a = a.lse_a.data;
+  p.lse_b = a.lse_b.data;
+  p.lse = a.lse.data;
+  copy_strides(a.out_a, p.out_a_stride, 4);
+  copy_strides(a.out_b, p.out_b_stride, 4);
+  copy_strides(a.out, p.out_stride, 4);
+  copy_strides(a.lse_a, p.lse_a_stride, 3);
+  copy_strides(a.lse_b, p.lse_b_stride, 3);
+  copy_strides(a.lse, p.lse_stride, 3);
+  p.num_threads = num_threads;
+  return c.result();
+}
+
 }  // namespace dfss::core

@@ -5,6 +5,7 @@
 
 #include "dfss/attention.hpp"
 #include "dfss/error.hpp"
+#include "dfss/merge.hpp"
 #include "dfss/params.hpp"
 
 namespace dfss::core {
@@ -24,5 +25,8 @@ status build_forward_params(const forward_args& args, const attention_config& co
 /// @brief Validates backward arguments and fills @p params.
 status build_backward_params(const backward_args& args, const attention_config& config,
                              const char* op, attention_params& params);
+
+/// @brief Validates merge_attention_states arguments (include/dfss/merge.hpp) and fills @p params.
+status build_merge_params(const merge_args& args, int num_threads, const char* op, merge_params& params);
 
 }  // namespace dfss::core

@@ -81,6 +81,12 @@ class DemoTest(DfssCliCase):
         self.assertIn("random attention", r.stdout)
         self.assertIn("mass kept", r.stdout)
         self.assertIn("causal", r.stdout)
+        # The random rows' mass kept: in (0, 1], and 2:4 >= 1:2 (the top 2 of a group of 4 include
+        # the top 1 of each of its pairs).
+        m = re.search(r"^mass kept: 1:2 ([0-9.]+), 2:4 ([0-9.]+)$", r.stdout, re.M)
+        self.assertIsNotNone(m, r.stdout)
+        self.assertTrue(0 < float(m.group(1)) <= float(m.group(2)) <= 1, m.group(0))
+        self.assertLess(r.stdout.index("mass kept: 1:2"), r.stdout.index("real attention"))
         rows = real_rows(r.stdout)
         self.assertEqual(set(rows), {(i, p) for i in ("layer0", "layer3") for p in ("dense", "1:2", "2:4")},
                          r.stdout)
@@ -130,7 +136,8 @@ class DemoTest(DfssCliCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("random attention", r.stdout)
         self.assertNotIn("real attention", r.stdout)
-        self.assertNotIn("mass kept", r.stdout)
+        self.assertIn("mass kept: 1:2", r.stdout)  # the random rows' line
+        self.assertNotIn("data/text-lm-qkv", r.stdout)
         r = self.run_dfss(*SMALL, "--no-real", "--real-data", SHIPPED)
         self.assertEqual(r.returncode, 2)
         self.assertIn("excludes", r.stderr)

@@ -123,7 +123,7 @@ class DemoTest(DfssCliCase):
                 r = self.run_dfss(*SMALL, "--real-data", d)
                 self.assertEqual(r.returncode, 0, r.stderr)
                 self.assertIn("real attention: test heads", r.stdout)
-                self.assertIn("(1 input, causal)" if causal else "(1 input, not causal)", r.stdout)
+                self.assertIn("(1 input, causal;" if causal else "(1 input, not causal;", r.stdout)
                 rows = real_rows(r.stdout)
                 self.assertEqual(set(rows), {("a", p) for p in ("dense", "1:2", "2:4")})
                 expected = numpy_rows(q, k, v, causal=causal)

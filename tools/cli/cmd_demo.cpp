@@ -299,7 +299,7 @@ int run_random_rows(const demo_options& o) {
 
 void run_real_rows(const demo_options& o, const real_data& data) {
   std::printf("\nreal attention%s%s\n", data.description.empty() ? "" : ": ", data.description.c_str());
-  std::printf("data: %s (%zu input%s, %s)\n", data.dir.c_str(), data.inputs.size(),
+  std::printf("data: %s (%zu input%s, %s; cpu ms: median of 5 runs)\n", data.dir.c_str(), data.inputs.size(),
               data.inputs.size() == 1 ? "" : "s", data.causal ? "causal" : "not causal");
   for (const auto& in : data.inputs)
     std::printf("  %s: Q [%lld, %lld, %lld, %lld], K and V [%lld, %lld, %lld, %lld], %s, run as fp32\n",

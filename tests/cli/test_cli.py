@@ -272,7 +272,7 @@ class CliTest(DfssCliCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("backends:", r.stdout)
         self.assertIn("reference", r.stdout)
-        r = self.run_dfss("demo", "--seq-len", "64", "--heads", "2")
+        r = self.run_dfss("demo", "--seq-len", "64", "--heads", "2", "--no-real")  # real rows: test_cli_demo.py
         self.assertEqual(r.returncode, 0, r.stderr)
         for pat in ("dense", "1:2", "2:4"):
             self.assertIn(pat, r.stdout)

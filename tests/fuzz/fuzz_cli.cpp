@@ -8,7 +8,9 @@
 //    they must fail with kExitBadInput, never kExitInternal (which the CLI reserves for its bugs);
 //  - `info` runs and must succeed;
 //  - `demo` runs when its sizes are in [1, 8] and --threads at most 4 (tiny problems), with exit
-//    code 0 or kExitBadInput;
+//    code 0 or kExitBadInput; without --real-data it runs with --no-real (the shipped real rows are
+//    seconds of work, not a tiny problem), with --real-data DIR it reads DIR, which resolves inside
+//    the private directory (or is "..", $TMPDIR) and fails the data checks;
 //  - `bench` is parsed only (it times large problems and starts Python).
 // Nothing real can be overwritten: inputs with a '/' in any argument are skipped, so every path the
 // CLI could write resolves inside the private directory (".." and "." are directories and cannot be
@@ -121,6 +123,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (const long long s : {demo.batch, demo.heads, demo.seq_len, demo.head_dim}) {
       small_demo = small_demo && s >= 1 && s <= kMaxDemoSize;
     }
+    if (inv.cmd == command::demo && inv.demo.real_data.empty()) inv.demo.no_real = true;
     if (inv.cmd == command::attention || inv.cmd == command::quality || inv.cmd == command::info ||
         (inv.cmd == command::demo && small_demo)) {
       ran = run_in_private_directory(inv);

@@ -334,6 +334,42 @@ def test_capture_writes_what_dfss_attention_receives(tmp_path):
     assert np.allclose(q[0].astype(np.float32), want.numpy(), atol=2e-3, rtol=2e-3)
 
 
+def test_make_default_qkv_regenerates_the_default_jobs_data(tmp_path):
+    """tools/train/make_default_qkv.sh (data/text-lm-qkv): the capture's layers renamed, byte for byte
+    the same on a second run and from an existing capture (CAPTURE=), with checksums and the note."""
+    out = tmp_path / "run"
+    r = run("train", "--quick", "--quiet", "--threads", "1", "--steps", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    script = os.path.join(TRAIN_DIR, "make_default_qkv.sh")
+    env = dict(os.environ, LAYERS="0 1", THREADS="1")
+    r = run("capture", "--threads", "1", "--checkpoint", str(out / "final.pt"), "--layers", "0", "1",
+            "--out", str(tmp_path / "qkv"))
+    assert r.returncode == 0, r.stderr
+    for name, extra in (("a", {}), ("b", {}), ("c", {"CAPTURE": str(tmp_path / "qkv")})):
+        r = subprocess.run(["bash", script, sys.executable, str(out / "final.pt"), str(tmp_path / name)],
+                           env=dict(env, **extra), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+    npys = [f"layer{l}-{x}.npy" for l in (0, 1) for x in "qkv"]
+    assert sorted(os.listdir(tmp_path / "a")) == sorted(npys + ["SHA256SUMS", "capture.json"])
+    sums = [line.split() for line in (tmp_path / "a" / "SHA256SUMS").read_text().splitlines()]
+    assert [s[1] for s in sums] == npys
+    for (digest, name) in sums:
+        data = (tmp_path / "a" / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == digest
+        assert data == (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes()
+        assert data == (tmp_path / "qkv" / f"w0-{name}").read_bytes()  # the capture's file, renamed
+    note = json.loads((tmp_path / "a" / "capture.json").read_text())
+    assert note["causal"] is True
+    assert [i["name"] for i in note["inputs"]] == ["layer0", "layer1"]
+    assert note["checkpoint_sha256"] == hashlib.sha256((out / "final.pt").read_bytes()).hexdigest()
+    assert "--layers 0 1" in note["command"]
+    # A capture without the requested layer is refused with a message.
+    r = subprocess.run(["bash", script, sys.executable, str(out / "final.pt"), str(tmp_path / "d")],
+                       env=dict(env, LAYERS="0 3", CAPTURE=str(tmp_path / "qkv")), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode != 0 and "no w0-layer3" in r.stderr
+
+
 def test_bad_arguments_are_clear_errors(tmp_path):
     r = run("train", "--quick", "--quiet", "--heads", "2", "--kv-heads", "3", "--out", str(tmp_path / "a"))
     assert r.returncode == 2 and "--kv-heads (3) must divide --heads (2)" in r.stderr

@@ -31,9 +31,13 @@ struct attention_options {
 
 /// Options of `dfss demo` (also what `dfss` with no arguments runs).
 struct demo_options {
-  long long batch = 1, heads = 12, seq_len = 512, head_dim = 64;
+  long long batch = 1, heads = 12, seq_len = 512, head_dim = 64;  ///< the random rows' problem
   int threads = 0;
   unsigned long long seed = 2023;
+  /// The real-attention rows' Q, K, V (NAME-q.npy, NAME-k.npy, NAME-v.npy per input); empty: the
+  /// shipped data/text-lm-qkv, looked up next to the executable (an install) or in the source tree.
+  std::string real_data;
+  bool no_real = false;  ///< --no-real: the random rows only
 };
 
 /// Options of `dfss quality`.

@@ -1,5 +1,5 @@
 // dfss: command-line front end of the library.
-//   dfss                      run the default example (BERT-base-sized attention, dense vs 1:2 vs 2:4)
+//   dfss                      run the default example (dense vs 1:2 vs 2:4 on random and on real attention)
 //   dfss attention ...        compute attention (and optionally its gradients) on .npy files
 //   dfss quality ...          approximation quality of DFSS vs full attention and other efficient attentions
 //   dfss info                 version, compiled backends, CPU features, CUDA architectures

@@ -156,6 +156,8 @@ def _make_mask_function(masking_utils):
             return materialized()  # sliding window, chunked, packed sequences, or/and overlays, ...
         if _tracing(attention_mask, q_offset, kv_offset):
             return materialized()
+        # A static cache gives q_offset as a tensor (it hands every layer its whole buffer).
+        static_cache = isinstance(q_offset, torch.Tensor)
         q_offset = int(q_offset)
         kv_offset = int(kv_offset)
         key_limit = kv_length
@@ -179,10 +181,10 @@ def _make_mask_function(masking_utils):
                 if not bool(torch.equal(prefix, pad)):
                     return materialized()  # left padding or holes: not a key length
                 key_lengths = lengths.to(torch.int64)
-        if causal and q_length <= 1 and key_limit < kv_length:
+        if causal and q_length <= 1 and (key_limit < kv_length or static_cache):
             # One query row (decode): causality is the key limit alone, given as key lengths rather
-            # than a slice, so that K and V keep the cache's shape (a compiled decode step with a
-            # static cache is not re-traced at every position).
+            # than a slice, so that K and V keep the cache's shape and a compiled decode step with a
+            # static cache sees the same kinds of inputs at every position (no re-tracing).
             if key_lengths is None:
                 key_lengths = torch.full((batch_size,), key_limit, dtype=torch.int64,
                                          device=call.get("device", "cpu"))

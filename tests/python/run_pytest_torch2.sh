@@ -20,7 +20,10 @@ venv="${DFSS_TORCH2_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dfss/torch2-venv}"
 py="$venv/bin/python"
 mkdir -p "$work"
 start=$(date +%s)
-ready() { [ -x "$py" ] && "$py" -c "import torch, transformers, pytest" 2>/dev/null; }
+ready() {  # prints the versions when the venv has what the tests need
+  [ -x "$py" ] && "$py" -c 'import torch, transformers, pytest
+print("torch2 venv: torch %s, transformers %s" % (torch.__version__, transformers.__version__))' 2>/dev/null
+}
 if ! ready; then
   echo "torch2 venv $venv: not ready, running tools/scripts/torch2-venv.sh (log: $work/torch2-venv.log)"
   if ! bash "$src/tools/scripts/torch2-venv.sh" "$venv" >"$work/torch2-venv.log" 2>&1 || ! ready; then
@@ -29,7 +32,6 @@ if ! ready; then
     exit $missing
   fi
 fi
-"$py" -c 'import torch, transformers; print("torch2 venv: torch %s, transformers %s" % (torch.__version__, transformers.__version__))'
 echo "venv check: $(( $(date +%s) - start )) s"
 # The prebuilt core only when its libstdc++ ABI is the torch's (PyPI torch >= 2.7 and the CI build
 # both use the C++11 ABI); otherwise setup.py builds a core with the torch's ABI.

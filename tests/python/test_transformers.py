@@ -281,3 +281,49 @@ def test_register_arguments():
         dfss.transformers.register("x", pattern="5:4")
     with pytest.raises(ValueError, match="name"):
         dfss.transformers.register("sdpa")
+
+
+def _spy(name):
+    """Registers `name`-spy: the attention function of `name`, recording the masks it receives."""
+    seen = []
+    inner = transformers.AttentionInterface()[name]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        m = attention_mask
+        seen.append("none" if m is None else
+                    ("4-D" if m.mask is not None else "keys") if isinstance(m, dfss.transformers.DFSSMask)
+                    else type(m).__name__)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register(name + "-spy", spy)
+    masking_utils.AttentionMaskInterface.register(name + "-spy", masking_utils.AttentionMaskInterface()[name])
+    return name + "-spy", seen
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_builds_no_4d_mask(cache):
+    # Without left padding, prefill and decode reach dfss as flags and key lengths, never as a 4-D mask.
+    name, seen = _spy(SPARSE)
+    (model,) = _models("llama", [name])
+    ids = _ids(2, 9)
+    right = torch.ones_like(ids)
+    model.generate(ids, attention_mask=right, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                   pad_token_id=0, cache_implementation=cache)
+    assert seen and set(seen) == {"keys"}, seen
+
+
+def test_torch_compile_static_cache_generation():
+    # The usual compiled decode: a static cache and a compiled forward. The mask function runs before
+    # the forward (generate), so the compiled step sees key lengths, and K/V keep the cache's shape.
+    sdpa, dense = _models("llama", ["sdpa", DENSE], dtype=torch.float32)
+    ids = _ids(2, 7)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+              pad_token_id=0, cache_implementation="static")
+    want = sdpa.generate(ids, **kw)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    dense.forward = torch.compile(dense.forward, backend="aot_eager")
+    got = dense.generate(ids, **kw)
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == 2  # prefill and decode: no re-trace per position

@@ -186,8 +186,9 @@ def _make_mask_function(masking_utils):
             # than a slice, so that K and V keep the cache's shape and a compiled decode step with a
             # static cache sees the same kinds of inputs at every position (no re-tracing).
             if key_lengths is None:
-                key_lengths = torch.full((batch_size,), key_limit, dtype=torch.int64,
-                                         device=call.get("device", "cpu"))
+                device = call.get("device") or (attention_mask.device if attention_mask is not None else
+                                                getattr(call.get("cache_position"), "device", "cpu"))
+                key_lengths = torch.full((batch_size,), key_limit, dtype=torch.int64, device=device)
             key_limit = kv_length
         if causal and q_length <= 1:
             causal = False

@@ -14,8 +14,9 @@ and builds a 4-D mask, passed to dfss as an additive bias, only when the mask ca
 (left padding, packed sequences, custom mask functions). docs/transformers.md has the mapping.
 
 This module imports transformers only inside ``register``: ``import dfss`` works without it.
-Tested with transformers 5.24 (tools/scripts/torch2-venv-extras.txt); the mask function also takes
-the 4.5x signature (``cache_position`` instead of ``q_length``/``q_offset``).
+CI tests transformers 5.24.0 (tools/scripts/torch2-venv-extras.txt); the mask function also takes
+the 4.5x signature (``cache_position`` instead of ``q_length``/``q_offset``), checked by hand with
+4.57.6 (dense logits and greedy generation equal SDPA's, dynamic and static caches, left padding).
 """
 import math
 
@@ -78,8 +79,9 @@ def _import_transformers():
         raise ImportError(_error(f"register() needs the transformers package ({exc}); "
                                  "pip install transformers")) from exc
     if not (hasattr(transformers, "AttentionInterface") and hasattr(masking_utils, "AttentionMaskInterface")):
-        raise ImportError(_error(f"transformers {transformers.__version__} has no AttentionMaskInterface; "
-                                 "dfss.transformers needs transformers >= 4.53 (tested with 5.24)"))
+        raise ImportError(_error(f"transformers {transformers.__version__} has no AttentionInterface and "
+                                 "AttentionMaskInterface, which dfss.transformers registers with; upgrade "
+                                 "transformers (CI tests 5.24.0)"))
     return transformers, masking_utils
 
 

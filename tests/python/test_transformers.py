@@ -28,7 +28,8 @@ def _config(kind, **extra):
     if kind == "qwen2":
         return transformers.Qwen2Config(**{"num_key_value_heads": 1, "use_sliding_window": False, **common})
     if kind == "qwen3":
-        return transformers.Qwen3Config(**{"num_key_value_heads": 2, "head_dim": 24, "use_sliding_window": False, **common})
+        return transformers.Qwen3Config(**{"num_key_value_heads": 2, "head_dim": 24, "use_sliding_window": False,
+                                           **common})
     raise AssertionError(kind)
 
 

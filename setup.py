@@ -75,11 +75,17 @@ ops = CppExtension(
     extra_link_args=["-fopenmp"],
 )
 
+BUILD_BASE = os.environ.get("DFSS_PYTHON_BUILD_DIR", "build-python")
+# The egg-info metadata goes there too instead of python/dfss.egg-info, so that two builds from the
+# same source tree (CTest python_package and python_transformers, run in parallel) write nothing
+# in common.
+os.makedirs(BUILD_BASE, exist_ok=True)
+
 setup(
     package_dir={"": "python"},
     packages=["dfss"],
     ext_modules=[ops],
     cmdclass={"build_ext": build_ext},
     # Out of the source tree's way: `build/` is the CMake default preset's directory.
-    options={"build": {"build_base": os.environ.get("DFSS_PYTHON_BUILD_DIR", "build-python")}},
+    options={"build": {"build_base": BUILD_BASE}, "egg_info": {"egg_base": BUILD_BASE}},
 )

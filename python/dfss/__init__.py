@@ -10,6 +10,8 @@
 * ``dfss.patch_attention(model)``: swaps the self-attention of BERT-style encoders for DFSS.
 * ``dfss.merge_attention_states``: the exact merge of results over key shards (split-K, context
   parallelism).
+* ``dfss.transformers.register()``: DFSS as a transformers ``attn_implementation`` (decoder LMs,
+  KV-cache generation); imports transformers only when called.
 """
 import importlib.machinery
 import os
@@ -42,6 +44,7 @@ from .functional import attention  # noqa: E402
 from . import nn  # noqa: E402
 from .patch import patch_attention, PatchHandle  # noqa: E402
 from .merge import merge_attention_states  # noqa: E402
+from . import transformers  # noqa: E402  (does not import the transformers package)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "nn", "patch_attention", "PatchHandle", "merge_attention_states"]
+__all__ = ["attention", "nn", "patch_attention", "PatchHandle", "merge_attention_states", "transformers"]

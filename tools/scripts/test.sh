@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README.md): the CI build (warnings as errors, the LibTorch operator,
 # CUDA compiled when nvcc is present) with all tests, including the Python package's pytest suite
-# (which must run here, not skip), then the AddressSanitizer + UBSan build with all tests, then each
-# libFuzzer target (tests/fuzz, clang) for DFSS_FUZZ_SECONDS seconds (default 60).
+# and the transformers tests in the torch 2.x venv (both must run here, not skip), then the
+# AddressSanitizer + UBSan build with all tests, then each libFuzzer target (tests/fuzz, clang) for
+# DFSS_FUZZ_SECONDS seconds (default 60).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 jobs=$(nproc 2>/dev/null || echo 2)

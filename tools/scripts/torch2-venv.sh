@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # torch2-venv.sh [DIR]: a Python venv with PyTorch 2.x from PyPI, used on the CPU only: the peer of
-# `dfss bench` (F.scaled_dot_product_attention) and, later, the LLM tests. Idempotent: a second run
+# `dfss bench` (F.scaled_dot_product_attention) and the transformers tests. Idempotent: a second run
 # checks what is there and installs only what is missing.
 #
 # DIR defaults to $DFSS_TORCH2_VENV, else ${XDG_CACHE_HOME:-$HOME/.cache}/dfss/torch2-venv (outside
-# the repository; `dfss bench` looks there by default). Environment:
+# the repository; `dfss bench` looks there by default), with the extras of torch2-venv-extras.txt
+# (transformers for tests/python/test_transformers.py, pytest, ninja). Environment:
 #   DFSS_TORCH_SPEC     the pip requirement for torch (default 'torch>=2,<3': the newest 2.x)
 #   DFSS_VENV_PYTHON    the interpreter the venv is made from (default: python3 on PATH)
-#   DFSS_WHEEL_CACHE    where the torch wheel is kept between runs (default .../dfss/wheels)
+#   DFSS_WHEEL_CACHE    where the torch wheel and the extras' wheels are kept between runs
+#                       (default .../dfss/wheels)
 #
 # Why not `pip install torch`: the Linux wheel on PyPI is the CUDA build, and its dependencies are
 # gigabytes of CUDA libraries. Instead (docs/benchmarks.md, "The PyTorch peers"):
@@ -36,7 +38,7 @@ die() { printf 'torch2-venv: error: %s\n' "$*" >&2; exit 1; }
 
 case "${1:-}" in
   -h | --help)
-    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
     ;;
 esac
@@ -151,15 +153,21 @@ EOF
 done
 "$py" -c 'import torch' 2>/dev/null || die "import torch still fails after $max_passes passes"
 
-# Hook for the LLM tests (transformers and friends): list their requirements in
-# tools/scripts/torch2-venv-extras.txt. They are installed with a constraint pinning torch to the
-# version above, so that pip never replaces this CPU-loadable torch by the full CUDA install.
+# The LLM tests' requirements (transformers, pytest, ninja): tools/scripts/torch2-venv-extras.txt.
+# They are installed with a constraint pinning torch to the version above, so that pip never
+# replaces this CPU-loadable torch by the full CUDA install. Their wheels are kept in the wheel
+# cache too: installed from there (no index) when it has them, else downloaded into it first.
 extras="$(cd "$(dirname "$0")" && pwd)/torch2-venv-extras.txt"
 if [ -f "$extras" ] && grep -qv '^\s*\(#\|$\)' "$extras"; then
   constraint="$venv/dfss-torch-constraint.txt"
   printf 'torch==%s\n' "$torch_version" >"$constraint"
   say "installing the extras of $extras (torch pinned to $torch_version)"
-  pip_install --constraint "$constraint" -r "$extras"
+  if ! "${pip[@]}" install --no-index --find-links "$wheels" --constraint "$constraint" -r "$extras" \
+      >/dev/null 2>&1; then
+    say "downloading the extras into $wheels"
+    "${pip[@]}" download --dest "$wheels" --constraint "$constraint" -r "$extras"
+    pip_install --no-index --find-links "$wheels" --constraint "$constraint" -r "$extras"
+  fi
 fi
 
 # 4. The check: what `dfss bench` will run.

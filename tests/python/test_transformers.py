@@ -1,0 +1,330 @@
+"""dfss.transformers: DFSS as a transformers attention implementation, on small randomly initialised
+decoder LMs built from configs (no download): Llama (GQA 4:2), Qwen2 (MQA, q/k/v biases) and Qwen3
+(GQA, q/k norms), all with RoPE. Needs transformers >= 5 (run by CTest python_transformers in the
+torch 2.x venv of tools/scripts/torch2-venv.sh); skipped elsewhere, e.g. with Debian's torch 1.13."""
+import pytest
+import torch
+
+import dfss
+import dfss.transformers
+
+transformers = pytest.importorskip("transformers", minversion="5.0",
+                                   reason="needs transformers >= 5 (tools/scripts/torch2-venv.sh)")
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import masking_utils  # noqa: E402
+
+DENSE = dfss.transformers.register("dfss-dense", pattern="dense")
+SPARSE = dfss.transformers.register("dfss-2:4", pattern="2:4")
+VOCAB = 96
+
+
+def _config(kind, **extra):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)
+    common.update(extra)
+    if kind == "llama":
+        return transformers.LlamaConfig(num_key_value_heads=2, head_dim=16, **common)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**{"num_key_value_heads": 1, "use_sliding_window": False, **common})
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**{"num_key_value_heads": 2, "head_dim": 24, "use_sliding_window": False,
+                                           **common})
+    raise AssertionError(kind)
+
+
+def _models(kind, names, dtype=torch.float64, **extra):
+    """One random model per attention implementation in `names`, all with the same weights."""
+    cfg = _config(kind, **extra)
+    first = AutoModelForCausalLM.from_config(cfg, attn_implementation=names[0], dtype=dtype).eval()
+    models = [first]
+    for name in names[1:]:
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation=name, dtype=dtype).eval()
+        m.load_state_dict(first.state_dict())
+        models.append(m)
+    return models
+
+
+def _ids(b, length):
+    return torch.randint(3, VOCAB, (b, length))
+
+
+def _generate(model, ids, mask, n=16):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+KINDS = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dense_logits_match_sdpa(kind):
+    sdpa, dense = _models(kind, ["sdpa", DENSE])
+    ids = _ids(2, 23)  # not a multiple of 4: a partial group of keys
+    with torch.no_grad():
+        want = sdpa(ids).logits
+        got = dense(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dense_greedy_generation_matches_sdpa(kind):
+    sdpa, dense = _models(kind, ["sdpa", DENSE])
+    ids = _ids(2, 9)
+    mask = torch.ones_like(ids)
+    want, want_logits = _generate(sdpa, ids, mask)
+    got, got_logits = _generate(dense, ids, mask)
+    assert got.shape == (2, 9 + 16)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-6, atol=1e-6)  # generate: fp32 logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_sparse_generation_runs_and_decode_matches_prefill(kind):
+    (model,) = _models(kind, [SPARSE])
+    ids = _ids(2, 13)
+    seq, logits = _generate(model, ids, torch.ones_like(ids))
+    assert seq.shape == (2, 13 + 16) and torch.isfinite(logits).all()
+    # DFSS is a function of each query row and the keys it sees: the logits of every decode step
+    # against the KV cache equal those of one causal forward over the whole sequence.
+    with torch.no_grad():
+        full = model(seq[:, :-1]).logits[:, 12:]
+    torch.testing.assert_close(logits, full.to(logits.dtype), rtol=1e-6, atol=1e-6)  # generate: fp32 logits
+    (dense,) = _models(kind, [DENSE])
+    dense.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(dense(seq).logits, model(seq).logits, atol=1e-6)  # 2:4 prunes
+
+
+def test_sparse_float32_generation_runs():
+    (model,) = _models("qwen2", [SPARSE], dtype=torch.float32)
+    ids = _ids(3, 10)
+    seq, logits = _generate(model, ids, torch.ones_like(ids), n=8)
+    assert seq.shape == (3, 18) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("pattern", ["dense", "2:4"])
+def test_right_padding_is_key_lengths(pattern):
+    name = DENSE if pattern == "dense" else SPARSE
+    sdpa, model = _models("llama", ["sdpa", name])
+    ids = _ids(3, 11)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 1:] = 0
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask).logits
+        # The same mask given as a 4-D boolean mask goes to dfss as a bias: the same function.
+        causal = torch.ones(11, 11, dtype=torch.bool).tril()
+        full = (causal[None] & mask.bool()[:, None, :])[:, None]
+        via_bias = model(ids, attention_mask=full).logits
+        want = sdpa(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], via_bias[valid], rtol=1e-10, atol=1e-10)
+    if pattern == "dense":
+        torch.testing.assert_close(got[valid], want[valid], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_left_padding_generation_dense_matches_sdpa(kind):
+    # Left padding (what generate() wants for decoder LMs) is not a key length: the mask function
+    # falls back to a boolean mask ([B, 1, Lq, Lk]; [B, 1, 1, Lk] in decode) passed as a bias.
+    sdpa, dense = _models(kind, ["sdpa", DENSE])
+    ids = _ids(3, 10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :6] = 0
+    ids[mask == 0] = 0
+    want, want_logits = _generate(sdpa, ids, mask)
+    got, got_logits = _generate(dense, ids, mask)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-6, atol=1e-6)  # generate: fp32 logits
+    (sparse,) = _models(kind, [SPARSE])
+    sparse.load_state_dict(dense.state_dict())
+    seq, logits = _generate(sparse, ids, mask)
+    assert torch.isfinite(logits).all()
+
+
+def _mask_for(name, attention_mask, q_length, past=0):
+    cfg = _config("llama")
+    cfg._attn_implementation = name
+    embeds = torch.zeros(attention_mask.shape[0], q_length, 8)
+    cache = None
+    if past:
+        cache = transformers.DynamicCache(config=cfg)
+        kv = torch.zeros(attention_mask.shape[0], 2, past, 16)
+        for layer in range(cfg.num_hidden_layers):
+            cache.update(kv, kv, layer)
+    return masking_utils.create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=attention_mask,
+                                            cache=cache)
+
+
+def test_mask_function_maps_padding_and_causality():
+    ones = torch.ones(2, 12, dtype=torch.long)
+    m = _mask_for(DENSE, ones, 12)
+    assert isinstance(m, dfss.transformers.DFSSMask)
+    assert m.mask is None and m.causal and m.key_lengths is None and m.key_limit is None
+    right = ones.clone()
+    right[1, 9:] = 0
+    m = _mask_for(DENSE, right, 12)
+    assert m.mask is None and m.causal and m.key_lengths.tolist() == [12, 9]
+    # Decode: one query row against 11 cached keys: no causal flag needed, all 12 keys visible.
+    m = _mask_for(DENSE, ones, 1, past=11)
+    assert m.mask is None and not m.causal and m.key_lengths is None and m.kv_length == 12
+    # Speculative decoding: 3 rows against 9 cached keys: bottom-right causal.
+    m = _mask_for(DENSE, ones, 3, past=9)
+    assert m.mask is None and m.causal and m.key_limit is None
+    left = ones.clone()
+    left[0, :4] = 0
+    m = _mask_for(DENSE, left, 12)
+    assert m.mask is not None and m.mask.shape == (2, 1, 12, 12) and m.mask.dtype == torch.bool
+    want = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & left.bool()[:, None, None, :]
+    assert torch.equal(m.mask, want)
+
+
+def test_static_cache_generation_dense_matches_sdpa():
+    # A static cache hands the attention its whole buffer (max length keys): the mask function turns
+    # its empty slots into a key limit (a view of the first keys), not a mask.
+    sdpa, dense = _models("llama", ["sdpa", DENSE])
+    ids = _ids(2, 7)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    want = sdpa.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    got = dense.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    assert torch.equal(got, want)
+
+
+def test_training_backward_matches_sdpa():
+    sdpa, dense = _models("qwen3", ["sdpa", DENSE])
+    ids = _ids(2, 14)
+    for m in (sdpa, dense):
+        m.train()
+        m(ids, labels=ids).loss.backward()
+    for (name, a), b in zip(sdpa.named_parameters(), dense.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_torch_compile():
+    (model,) = _models("llama", [SPARSE], dtype=torch.float32)
+    ids = _ids(2, 16)
+    with torch.no_grad():
+        want = model(ids).logits
+    torch._dynamo.reset()
+    # aot_eager: dynamo and AOTAutograd trace the operator with fake tensors (its Meta kernels) but
+    # run it eagerly; inductor would also need a C++ toolchain and minutes of compilation here.
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        got = compiled(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    model.train()
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def _attention_function(name):
+    return transformers.AttentionInterface()[name]
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("kwarg,value", [("sliding_window", 8), ("softcap", 30.0), ("s_aux", torch.zeros(4)),
+                                         ("sinks", torch.zeros(4)), ("head_mask", torch.ones(4)),
+                                         ("position_bias", torch.zeros(1, 4, 5, 5)),
+                                         ("output_attentions", True), ("dropout", 0.1)])
+def test_unsupported_options_raise(kwarg, value):
+    fn = _attention_function(SPARSE)
+    q = torch.randn(1, 4, 5, 8)
+    k = torch.randn(1, 2, 5, 8)
+    out, weights = fn(_Module(), q, k, k, None, scaling=0.3)
+    assert out.shape == (1, 5, 4, 8) and weights is None
+    with pytest.raises(NotImplementedError, match=f"dfss.transformers: .*{kwarg}"):
+        fn(_Module(), q, k, k, None, scaling=0.3, **{kwarg: value})
+
+
+def test_unsupported_model_options_raise():
+    (model,) = _models("llama", [SPARSE], attention_dropout=0.1)
+    ids = _ids(1, 8)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        model.train()(ids)
+    model.eval()
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model(ids, output_attentions=True)
+    (qwen,) = _models("qwen2", [SPARSE], use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        qwen(ids)
+
+
+def test_attention_function_matches_dfss_attention():
+    # The layout contract: transformers passes [B, H, L, d] and wants [B, L, H, d] back.
+    fn = _attention_function(SPARSE)
+    q = torch.randn(2, 6, 9, 16, dtype=torch.float64)
+    k = torch.randn(2, 3, 9, 16, dtype=torch.float64)
+    v = torch.randn(2, 3, 9, 16, dtype=torch.float64)
+    out, _ = fn(_Module(), q, k, v, None, scaling=0.2)
+    want = dfss.attention(q, k, v, is_causal=True, scale=0.2, pattern="2:4")
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
+
+
+def test_register_arguments():
+    assert dfss.transformers.register("dfss-test-1:2", pattern="1:2") == "dfss-test-1:2"
+    assert "dfss-test-1:2" in transformers.AttentionInterface()
+    assert "dfss-test-1:2" in masking_utils.AttentionMaskInterface()
+    with pytest.raises(NotImplementedError, match="sink_tokens.*not implemented"):
+        dfss.transformers.register("x", sink_tokens=4)
+    with pytest.raises(NotImplementedError, match="recent_tokens.*not implemented"):
+        dfss.transformers.register("x", recent_tokens=64)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        dfss.transformers.register("x", sink_tokens=-1)
+    with pytest.raises(ValueError, match="pattern"):
+        dfss.transformers.register("x", pattern="5:4")
+    with pytest.raises(ValueError, match="name"):
+        dfss.transformers.register("sdpa")
+
+
+def _spy(name):
+    """Registers `name`-spy: the attention function of `name`, recording the masks it receives."""
+    seen = []
+    inner = transformers.AttentionInterface()[name]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        m = attention_mask
+        seen.append("none" if m is None else
+                    ("4-D" if m.mask is not None else "keys") if isinstance(m, dfss.transformers.DFSSMask)
+                    else type(m).__name__)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register(name + "-spy", spy)
+    masking_utils.AttentionMaskInterface.register(name + "-spy", masking_utils.AttentionMaskInterface()[name])
+    return name + "-spy", seen
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_builds_no_4d_mask(cache):
+    # Without left padding, prefill and decode reach dfss as flags and key lengths, never as a 4-D mask.
+    name, seen = _spy(SPARSE)
+    (model,) = _models("llama", [name])
+    ids = _ids(2, 9)
+    right = torch.ones_like(ids)
+    model.generate(ids, attention_mask=right, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                   pad_token_id=0, cache_implementation=cache)
+    assert seen and set(seen) == {"keys"}, seen
+
+
+def test_torch_compile_static_cache_generation():
+    # The usual compiled decode: a static cache and a compiled forward. The mask function runs before
+    # the forward (generate), so the compiled step sees key lengths, and K/V keep the cache's shape.
+    sdpa, dense = _models("llama", ["sdpa", DENSE], dtype=torch.float32)
+    ids = _ids(2, 7)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+              pad_token_id=0, cache_implementation="static")
+    want = sdpa.generate(ids, **kw)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    dense.forward = torch.compile(dense.forward, backend="aot_eager")
+    got = dense.generate(ids, **kw)
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == 2  # prefill and decode: no re-trace per position

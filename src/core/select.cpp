@@ -5,7 +5,7 @@
 #include <string>
 
 #include "core/device_memory.hpp"
-#include "cpu/isa.hpp"
+#include "core/cpu_features.hpp"
 #if defined(DFSS_WITH_CUDA_BACKEND)
 #include "cuda/attention_cuda.hpp"
 #endif
@@ -58,12 +58,23 @@ kernel_selection select_cpu_backward(const attention_params& p, const attention_
   return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
 }
 
+/// The AVX2 kernels (cpu/fused_forward_avx2.cpp) are compiled by GCC only: a build without them
+/// (clang) reports that the CPU cannot run them, so the selector never picks a kernel the build lacks.
+bool avx2_kernels_run(dtype input) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  return cpu_has(cpu_feature::avx2) && cpu_has(cpu_feature::fma) && (input != dtype::f16 || cpu_has(cpu_feature::f16c));
+#else
+  (void)input;
+  return false;
+#endif
+}
+
 kernel_selection select_cpu(const attention_params& p, const attention_config& c, direction dir) {
   if (p.input_type == dtype::f64) {
     return reject(backend::cpu,
                   "the cpu backend takes f32, f16 and bf16 inputs, got f64; use backend reference");
   }
-  const bool avx2_ok = cpu::cpu_supports_avx2() && (p.input_type != dtype::f16 || cpu::cpu_supports_f16c());
+  const bool avx2_ok = avx2_kernels_run(p.input_type);
   if (dir == direction::backward) return select_cpu_backward(p, c, avx2_ok);
   if (c.cpu_algorithm == cpu_algorithm::three_stage) {
     return make(kernel_kind::cpu_three_stage_forward, backend::cpu, "cpu.three_stage_forward.generic");

@@ -44,14 +44,14 @@ float load(const void* base, std::int64_t off) {
 /// The scalar kernels' one score computation, shared by the forward and the backward so that both
 /// keep exactly the same keys. Fills s[0 .. width) with the fp32 scores of keys j0 .. j0 + width - 1
 /// for query row (b, h, i) whose fp32 query is @p q: q . k_j summed in increasing c, plus the bias,
-/// -inf for keys masked by key padding (j >= len) or causality (j > last); then, in every aligned
+/// -inf for masked keys (j >= end, core::visible_end of the row); then, in every aligned
 /// group of M keys (j0 is a multiple of M), the keys not kept set to -inf. Returns whether a kept
 /// score is NaN. Never inlined: both directions run the same machine code, whatever contraction or
 /// vectorisation the compiler chose for it.
 template <typename T>
 [[gnu::noinline]] bool scalar_tile_scores(const attention_params& p, const float* q, std::int64_t b, std::int64_t h,
-                                          std::int64_t i, std::int64_t j0, std::int64_t width, std::int64_t len,
-                                          std::int64_t last, float* s) {
+                                          std::int64_t i, std::int64_t j0, std::int64_t width, std::int64_t end,
+                                          float* s) {
   const std::int64_t d = p.head_dim;
   const std::int64_t hk = h / (p.heads / p.heads_kv);
   const int n = p.pattern_n, m = p.pattern_m;
@@ -64,7 +64,7 @@ template <typename T>
       dot += static_cast<float>(core::load_as_double(
           p.bias, p.bias_type, b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] + j * p.bias_stride[3]));
     }
-    s[t] = (j >= len || j > last) ? neg_inf : dot;
+    s[t] = j >= end ? neg_inf : dot;
   }
   bool nan_seen = false;
   for (std::int64_t g = 0; g < width; g += m) {
@@ -102,13 +102,12 @@ void fused_rows(const attention_params& p) {
         q[c] = load<T>(p.q, core::offset4(p.q_stride, b, i, h, c));
         acc[c] = 0.0f;
       }
-      const std::int64_t len = core::valid_keys(p, b);
-      const std::int64_t last = core::causal_last_key(p, i);
+      const std::int64_t end = core::visible_end(p, b, i);
       float mx = neg_inf, sum = 0.0f;
       bool nan_seen = false;
       for (std::int64_t j0 = 0; j0 < L; j0 += tile) {
         const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-        nan_seen |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
+        nan_seen |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, end, s);
         // Online softmax over the kept scores of this tile.
         float tile_max = neg_inf;
         for (std::int64_t t = 0; t < width; ++t) tile_max = s[t] > tile_max ? s[t] : tile_max;
@@ -183,15 +182,13 @@ bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t
   const float inf = std::numeric_limits<float>::infinity();
   float s[kKeyTile + 16];
   bool row_nan = lse != lse;
-  const std::int64_t last = core::causal_last_key(p, i);
-  const std::int64_t len = core::valid_keys(p, b);
-  const std::int64_t lim = std::min(len, last + 1);
+  const std::int64_t lim = core::visible_end(p, b, i);
   float shift = 0.0f, offset = lse;  // P = exp(scale (s - shift) - offset)
   if (!row_nan && !(std::abs(lse) <= fused::kDirectLseLimit)) {
     float mx = neg_inf, sum = 0.0f;
     for (std::int64_t j0 = 0; j0 < lim; j0 += tile) {
       const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-      row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
+      row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, lim, s);
       for (std::int64_t x = 0; x < width; ++x) {
         if (s[x] == neg_inf) continue;
         row_nan |= s[x] == inf;
@@ -211,7 +208,7 @@ bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t
   }
   for (std::int64_t j0 = 0; j0 < (offset == neg_inf ? 0 : lim); j0 += tile) {
     const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-    row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
+    row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, lim, s);
     for (std::int64_t x = 0; x < width; ++x) {
       if (s[x] == neg_inf) continue;  // pruned or masked: never contributes
       const float pj = row_nan ? std::numeric_limits<float>::quiet_NaN() : std::exp(scale * (s[x] - shift) - offset);

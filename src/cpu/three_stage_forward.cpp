@@ -112,12 +112,11 @@ void stage_qk_select(const attention_params& p, const plan& pl, const scratch& s
   if (pl.meta) {
     for (i64 x = 0; x < rows * pl.words; ++x) sc.meta[x] = 0;
   }
-  const i64 len = core::valid_keys(p, b);
-  const i64 tile_last = core::causal_last_key(p, i0 + rows - 1);  // the tile's last row sees most
+  const i64 tile_end = core::visible_end(p, b, i0 + rows - 1);  // the tile's last row sees most
   for (i64 j0 = 0; j0 < pl.Lk; j0 += KB) {
     const i64 width = pl.Lk - j0 < KB ? pl.Lk - j0 : KB;
     // A block masked for every row of the tile needs no product: its scores are all -inf.
-    const bool visible = j0 < len && j0 <= tile_last;
+    const bool visible = j0 < tile_end;
     if (visible) {
       for (i64 t = 0; t < width; ++t)
         for (i64 c = 0; c < d; ++c) sc.kt[c * KB + t] = load<T>(p.k, core::offset4(p.k_stride, b, j0 + t, hk, c));
@@ -135,11 +134,11 @@ void stage_qk_select(const attention_params& p, const plan& pl, const scratch& s
     // Epilogue: bias, masks, selection, compressed row (and metadata).
     for (i64 r = 0; r < rows; ++r) {
       const i64 i = i0 + r;
-      const i64 last = core::causal_last_key(p, i);
+      const i64 end = core::visible_end(p, b, i);
       float* srow = sc.s + r * KB;
       for (i64 t = 0; t < width; ++t) {
         const i64 j = j0 + t;
-        if (!visible || j >= len || j > last) {
+        if (!visible || j >= end) {
           srow[t] = kNegInf;
         } else if (p.bias != nullptr) {
           srow[t] += static_cast<float>(core::load_as_double(

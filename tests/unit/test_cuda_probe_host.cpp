@@ -200,7 +200,7 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng) {
   }
   o.values.resize(static_cast<std::size_t>(lay.value_elems()));
   o.meta.resize(static_cast<std::size_t>(lay.meta_words()));
-  const w::score_mask mask{c.Lk, c.kv, c.causal, c.Lk - c.Lq};
+  const w::score_mask mask{c.Lq, c.Lk, c.kv, c.causal};
   const w::sp_pattern p = c.two_of_four ? w::sp_pattern::p2of4 : w::sp_pattern::p1of2;
   for (std::int64_t rb = 0; rb < lay.rows_padded / 32; ++rb) {
     for (std::int64_t kb = 0; kb < lay.keys_padded / 32; ++kb) {

@@ -529,7 +529,7 @@ void check_epilogue(const epilogue_case& ec, std::mt19937_64& rng) {
   std::vector<float> raw(static_cast<std::size_t>(lay.rows_padded * lay.keys_padded));
   std::uniform_int_distribution<int> small(-3, 3);
   for (auto& x : raw) x = static_cast<float>(small(rng));
-  const w::score_mask mask{ec.keys, ec.kv_len, ec.causal, static_cast<std::int64_t>(ec.keys) - ec.rows};
+  const w::score_mask mask{ec.rows, ec.keys, ec.kv_len, ec.causal};
 
   std::vector<float> values(static_cast<std::size_t>(lay.value_elems()), kNaNF);
   std::vector<std::uint32_t> meta(static_cast<std::size_t>(lay.meta_words()), 0xFFFFFFFFu);

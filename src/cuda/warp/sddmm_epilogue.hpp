@@ -7,23 +7,24 @@
 
 #include "cuda/warp/mma_fragments.hpp"
 #include "dfss/config.hpp"
+#include "dfss/mask/visibility.hpp"
 
 namespace dfss::cuda::warp {
 
 /// -inf without library calls (valid in host and device code).
 DFSS_HD float neg_inf_f32() { return -__builtin_huge_valf(); }
 
-/// Which keys a row sees (docs/semantics.md, forward step 2): keys past the end (padding of the
-/// last tile), keys at or past the batch's valid length, and with a causal mask keys after
-/// row + causal_offset (causal_offset = Lk - Lq: bottom-right alignment) are masked to -inf.
+/// Which keys a row sees: the one rule of dfss/mask/visibility.hpp (key lengths, bottom-right
+/// causal). Its visible keys are a prefix of [0, Lk), so keys past the end (padding of the last
+/// tile) are masked to -inf too.
 struct score_mask {
-  std::int64_t keys;           ///< Lk
-  std::int64_t kv_len;         ///< valid keys of this batch, <= Lk
-  bool causal;                 ///< apply the causal rule
-  std::int64_t causal_offset;  ///< Lk - Lq
+  std::int64_t seqlen_q;  ///< Lq
+  std::int64_t seqlen_k;  ///< Lk
+  std::int64_t kv_len;    ///< valid keys of this batch, in [0, Lk]
+  bool causal;            ///< apply the causal rule
 
   DFSS_HD bool visible(std::int64_t row, std::int64_t key) const {
-    return key < keys && key < kv_len && (!causal || key <= row + causal_offset);
+    return mask::visible(causal, seqlen_q, seqlen_k, kv_len, row, key);
   }
 };
 

@@ -226,7 +226,7 @@ template <typename HT>
 check_report check_sddmm(const slice_case& c, const std::vector<float>& scores, const HT* values,
                          const std::uint32_t* meta, std::vector<std::int32_t>& idx) {
   check_report rep;
-  const cuda::warp::score_mask mask{c.Lk, c.kv, c.causal, c.Lk - c.Lq};
+  const cuda::warp::score_mask mask{c.Lq, c.Lk, c.kv, c.causal};
   std::vector<float> dense(static_cast<std::size_t>(c.Lq * c.Lk));
   for (std::int64_t r = 0; r < c.Lq; ++r) {
     for (std::int64_t j = 0; j < c.Lk; ++j) {

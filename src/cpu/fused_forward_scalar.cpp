@@ -13,10 +13,7 @@
 // own maximum and sum), dS = P (dO . v_j - rowsum(dO O)), and dQ, dK, dV,
 // dBias accumulate in a fixed order (heads, rows, keys), bitwise identical for any thread count.
 // A dBias with broadcast dimensions gets a second pass over its rows (scalar_dbias_task).
-#include <omp.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -26,6 +23,7 @@
 #include "core/element_access.hpp"
 #include "cpu/fused_common.hpp"
 #include "cpu/fused_forward.hpp"
+#include "cpu/parallel.hpp"
 #include "dfss/format/nm_select.hpp"
 #include "dfss/numeric.hpp"
 
@@ -87,59 +85,54 @@ void fused_rows(const attention_params& p) {
   const std::int64_t rows = p.batch * p.heads * p.seqlen_q;
   const float scale = static_cast<float>(p.scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
 
-#pragma omp parallel num_threads(threads)
-  {
+  parallel_for(rows, p.num_threads, schedule::contiguous, [] {}, [&](std::int64_t row) {
     float q[512], acc[512], s[kKeyTile + 16];
-#pragma omp for schedule(static)
-    for (std::int64_t row = 0; row < rows; ++row) {
-      const std::int64_t i = row % p.seqlen_q;
-      const std::int64_t h = (row / p.seqlen_q) % p.heads;
-      const std::int64_t b = row / (p.seqlen_q * p.heads);
-      const std::int64_t hk = h / group;
-      for (std::int64_t c = 0; c < d; ++c) {
-        q[c] = load<T>(p.q, core::offset4(p.q_stride, b, i, h, c));
-        acc[c] = 0.0f;
+    const std::int64_t i = row % p.seqlen_q;
+    const std::int64_t h = (row / p.seqlen_q) % p.heads;
+    const std::int64_t b = row / (p.seqlen_q * p.heads);
+    const std::int64_t hk = h / group;
+    for (std::int64_t c = 0; c < d; ++c) {
+      q[c] = load<T>(p.q, core::offset4(p.q_stride, b, i, h, c));
+      acc[c] = 0.0f;
+    }
+    const std::int64_t end = core::visible_end(p, b, i);
+    float mx = neg_inf, sum = 0.0f;
+    bool nan_seen = false;
+    for (std::int64_t j0 = 0; j0 < L; j0 += tile) {
+      const std::int64_t width = L - j0 < tile ? L - j0 : tile;
+      nan_seen |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, end, s);
+      // Online softmax over the kept scores of this tile.
+      float tile_max = neg_inf;
+      for (std::int64_t t = 0; t < width; ++t) tile_max = s[t] > tile_max ? s[t] : tile_max;
+      if (tile_max == neg_inf) continue;
+      if (tile_max > mx) {
+        const float correction = mx == neg_inf ? 0.0f : std::exp(scale * (mx - tile_max));
+        sum *= correction;
+        for (std::int64_t c = 0; c < d; ++c) acc[c] *= correction;
+        mx = tile_max;
       }
-      const std::int64_t end = core::visible_end(p, b, i);
-      float mx = neg_inf, sum = 0.0f;
-      bool nan_seen = false;
-      for (std::int64_t j0 = 0; j0 < L; j0 += tile) {
-        const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-        nan_seen |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, end, s);
-        // Online softmax over the kept scores of this tile.
-        float tile_max = neg_inf;
-        for (std::int64_t t = 0; t < width; ++t) tile_max = s[t] > tile_max ? s[t] : tile_max;
-        if (tile_max == neg_inf) continue;
-        if (tile_max > mx) {
-          const float correction = mx == neg_inf ? 0.0f : std::exp(scale * (mx - tile_max));
-          sum *= correction;
-          for (std::int64_t c = 0; c < d; ++c) acc[c] *= correction;
-          mx = tile_max;
-        }
-        for (std::int64_t t = 0; t < width; ++t) {
-          if (s[t] == neg_inf) continue;
-          const float e = std::exp(scale * (s[t] - mx));
-          sum += e;
-          const std::int64_t j = j0 + t;
-          for (std::int64_t c = 0; c < d; ++c) acc[c] += e * load<T>(p.v, core::offset4(p.v_stride, b, j, hk, c));
-        }
-      }
-      const float nan = std::numeric_limits<float>::quiet_NaN();
-      const bool empty = mx == neg_inf && !nan_seen;
-      const float inv = empty ? 0.0f : 1.0f / sum;
-      for (std::int64_t c = 0; c < d; ++c) {
-        const float o = nan_seen ? nan : acc[c] * inv;
-        core::store_from_double(p.o, p.output_type, core::offset4(p.o_stride, b, i, h, c), static_cast<double>(o));
-      }
-      if (p.lse != nullptr) {
-        const float lse = nan_seen ? nan : (empty ? neg_inf : scale * mx + std::log(sum));
-        core::store_from_double(p.lse, p.lse_type, b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2],
-                                static_cast<double>(lse));
+      for (std::int64_t t = 0; t < width; ++t) {
+        if (s[t] == neg_inf) continue;
+        const float e = std::exp(scale * (s[t] - mx));
+        sum += e;
+        const std::int64_t j = j0 + t;
+        for (std::int64_t c = 0; c < d; ++c) acc[c] += e * load<T>(p.v, core::offset4(p.v_stride, b, j, hk, c));
       }
     }
-  }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const bool empty = mx == neg_inf && !nan_seen;
+    const float inv = empty ? 0.0f : 1.0f / sum;
+    for (std::int64_t c = 0; c < d; ++c) {
+      const float o = nan_seen ? nan : acc[c] * inv;
+      core::store_from_double(p.o, p.output_type, core::offset4(p.o_stride, b, i, h, c), static_cast<double>(o));
+    }
+    if (p.lse != nullptr) {
+      const float lse = nan_seen ? nan : (empty ? neg_inf : scale * mx + std::log(sum));
+      core::store_from_double(p.lse, p.lse_type, b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2],
+                              static_cast<double>(lse));
+    }
+  });
 }
 
 /// Whether dbias is summed over a broadcast batch or head dimension (then it is written by its own
@@ -223,8 +216,8 @@ bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t
   return row_nan;
 }
 
-/// Per-thread scratch of the scalar backward: the fp32 K and V rows of one (batch, kv head) and
-/// their gradient accumulators, [seqlen_k][head_dim] each.
+/// Per-worker scratch of the scalar backward (cpu::worker_scratch, kept between calls): the fp32 K
+/// and V rows of one (batch, kv head) and their gradient accumulators, [seqlen_k][head_dim] each.
 struct scalar_backward_scratch {
   std::vector<float> k, v, dk, dv;
 };
@@ -324,46 +317,31 @@ void scalar_dbias_task(const attention_params& p, std::vector<float>& acc, std::
   }
 }
 
+/// Per-worker scratch of the broadcast dBias pass: one row of sums.
+struct scalar_dbias_scratch {
+  std::vector<float> acc;
+};
+
 /// Parallel over (batch, kv head): each task owns its dK, dV rows and its heads' dQ (and dBias)
 /// rows, so no two threads write the same element and the summation order is fixed. A dbias with
 /// broadcast dimensions then gets its own pass, parallel over its rows, each summed by one thread
-/// in a fixed order. False when an allocation failed (exceptions must not leave the parallel
-/// regions).
+/// in a fixed order. False when an allocation failed.
 template <typename T>
 bool scalar_backward(const attention_params& p) {
-  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
-  std::atomic<bool> out_of_memory{false};
-  const std::int64_t tasks = p.batch * p.heads_kv;
-#pragma omp parallel num_threads(threads)
-  {
-    scalar_backward_scratch ws;
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < tasks; ++t) {
-      if (out_of_memory) continue;
-      try {
-        scalar_backward_task<T>(p, ws, t);
-      } catch (const std::bad_alloc&) {
-        out_of_memory = true;
-      }
-    }
+  try {
+    parallel_for(p.batch * p.heads_kv, p.num_threads, schedule::contiguous, [] {}, [&](std::int64_t t) {
+      scalar_backward_task<T>(p, worker_scratch<scalar_backward_scratch>(), t);
+    });
+    if (!dbias_broadcast(p)) return true;
+    const std::int64_t rows =
+        (p.dbias_stride[0] == 0 ? 1 : p.batch) * (p.dbias_stride[1] == 0 ? 1 : p.heads) * p.seqlen_q;
+    parallel_for(rows, p.num_threads, schedule::contiguous, [] {}, [&](std::int64_t t) {
+      scalar_dbias_task<T>(p, worker_scratch<scalar_dbias_scratch>().acc, t);
+    });
+  } catch (const std::bad_alloc&) {
+    return false;
   }
-  if (out_of_memory || !dbias_broadcast(p)) return !out_of_memory;
-  const std::int64_t rows =
-      (p.dbias_stride[0] == 0 ? 1 : p.batch) * (p.dbias_stride[1] == 0 ? 1 : p.heads) * p.seqlen_q;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> acc;
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < rows; ++t) {
-      if (out_of_memory) continue;
-      try {
-        scalar_dbias_task<T>(p, acc, t);
-      } catch (const std::bad_alloc&) {
-        out_of_memory = true;
-      }
-    }
-  }
-  return !out_of_memory;
+  return true;
 }
 
 }  // namespace

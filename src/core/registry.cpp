@@ -5,6 +5,8 @@
 
 #include "core/cpu_features.hpp"
 #include "cpu/fused_forward.hpp"
+#include "cpu/scalar/attention.hpp"
+#include "cpu/three_stage/attention.hpp"
 #include "ref/reference.hpp"
 #if defined(DFSS_WITH_CUDA_BACKEND)
 #include "cuda/attention_cuda.hpp"

@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "core/element_access.hpp"
-#include "cpu/fused_forward.hpp"
+#include "cpu/three_stage/attention.hpp"
 #include "cpu/parallel.hpp"
 #include "dfss/format/nm_meta.hpp"
 #include "dfss/format/nm_select.hpp"

@@ -186,9 +186,9 @@ TEST(CudaWarpFragments, KeyPermutationGivesEachLaneWholeGroups) {
       const int val_lane = 4 * g + c % 4;
       const int reg = (c >= 4 ? 4 : 0) + 2 * half;
       arow[static_cast<std::size_t>(4 * c + static_cast<int>(i0))] =
-          a[static_cast<std::size_t>(val_lane)][static_cast<std::size_t>(reg)];
+          static_cast<double>(a[static_cast<std::size_t>(val_lane)][static_cast<std::size_t>(reg)]);
       arow[static_cast<std::size_t>(4 * c + static_cast<int>(i1))] =
-          a[static_cast<std::size_t>(val_lane)][static_cast<std::size_t>(reg + 1)];
+          static_cast<double>(a[static_cast<std::size_t>(val_lane)][static_cast<std::size_t>(reg + 1)]);
     }
     for (int n = 0; n < 8; ++n) {
       double acc = 0.0;
@@ -220,7 +220,7 @@ TEST(CudaWarpFragments, KeyPermutationGivesEachLaneWholeGroups) {
       }
       const int pos = code == 0x4u ? 0 : 1;
       arow[static_cast<std::size_t>(2 * c + pos)] =
-          a[static_cast<std::size_t>(4 * g + c % 4)][static_cast<std::size_t>(half + 2 * (c / 4))];
+          static_cast<double>(a[static_cast<std::size_t>(4 * g + c % 4)][static_cast<std::size_t>(half + 2 * (c / 4))]);
     }
     for (int n = 0; n < 8; ++n) {
       double acc = 0.0;

@@ -10,6 +10,10 @@
 // second. Times are wall clock (UseRealTime), since the kernels run on an OpenMP team. An unsupported
 // configuration (e.g. avx2 on a CPU without it) is reported with SkipWithError and its reason.
 //
+// The inputs and the machine description (CPU model, commit, load average, printed in the context
+// header and the JSON output's "context") come from the benchmarks' shared harness (bench/harness/),
+// as in `dfss bench`.
+//
 // Threads: DFSS_BENCH_THREADS (default 0 = all hardware threads), e.g.
 //   DFSS_BENCH_THREADS=2 build/bench/dfss_microbench --benchmark_filter='fused/avx2'
 #include <benchmark/benchmark.h>
@@ -21,6 +25,8 @@
 #include <vector>
 
 #include "dfss/dfss.hpp"
+#include "harness/inputs.hpp"
+#include "harness/machine.hpp"
 
 namespace {
 
@@ -34,15 +40,12 @@ int bench_threads() {
 /// Inputs of one length, made once and shared by every benchmark of that length.
 struct inputs {
   std::int64_t L;
-  std::vector<float> q, k, v, out;
+  dfss::harness::input_tensor q, k, v;
+  std::vector<float> out;
   explicit inputs(std::int64_t len) : L(len) {
     const auto n = static_cast<std::size_t>(kBatch * len * kHeads * kHeadDim);
     std::mt19937_64 rng(2023 + static_cast<unsigned long long>(len));
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (auto* t : {&q, &k, &v}) {
-      t->resize(n);
-      for (auto& x : *t) x = normal(rng);
-    }
+    for (auto* t : {&q, &k, &v}) t->fill(n, dfss::dtype::f32, rng);
     out.assign(n, 0.0f);
   }
 };
@@ -56,9 +59,9 @@ void run_forward(benchmark::State& state, dfss::attention_config cfg) {
   const std::int64_t L = state.range(0);
   inputs& in = inputs_for(L);
   dfss::forward_args a;
-  a.q = dfss::make_view(in.q.data(), {kBatch, L, kHeads, kHeadDim});
-  a.k = dfss::make_view(in.k.data(), {kBatch, L, kHeads, kHeadDim});
-  a.v = dfss::make_view(in.v.data(), {kBatch, L, kHeads, kHeadDim});
+  a.q = in.q.view(kBatch, L, kHeads, kHeadDim);
+  a.k = in.k.view(kBatch, L, kHeads, kHeadDim);
+  a.v = in.v.view(kBatch, L, kHeads, kHeadDim);
   a.out = dfss::make_view(in.out.data(), {kBatch, L, kHeads, kHeadDim});
   cfg.backend = dfss::backend::cpu;
   cfg.num_threads = bench_threads();
@@ -127,6 +130,15 @@ void register_all() {
 
 int main(int argc, char** argv) {
   register_all();
+  // The machine description `dfss bench` records, in the context header and the JSON output.
+  benchmark::AddCustomContext("cpu_model", dfss::harness::cpu_model());
+  benchmark::AddCustomContext("cpu_features", [] {
+    std::string f;
+    for (const std::string& x : dfss::get_build_info().cpu_features) f += (f.empty() ? "" : " ") + x;
+    return f;
+  }());
+  benchmark::AddCustomContext("dfss_commit", dfss::harness::git_commit());
+  benchmark::AddCustomContext("load_average", dfss::harness::load_average());
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

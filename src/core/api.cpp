@@ -4,14 +4,10 @@
 #include <vector>
 
 #include "core/element_access.hpp"
+#include "core/registry.hpp"
 #include "core/select.hpp"
 #include "core/validate.hpp"
-#include "cpu/fused_forward.hpp"
-#if defined(DFSS_WITH_CUDA_BACKEND)
-#include "cuda/attention_cuda.hpp"
-#endif
 #include "dfss/attention.hpp"
-#include "ref/reference.hpp"
 
 namespace dfss {
 namespace {
@@ -25,21 +21,19 @@ status unsupported(const char* op, const kernel_selection& s) {
               s.reason};
 }
 
+/// The registry's row of the selected kernel when it runs direction @p dir, else nullptr.
+const core::kernel_entry* chosen(const kernel_selection& s, core::direction dir) {
+  const core::kernel_entry* e = core::find_kernel(s.kind);
+  return e != nullptr && e->dir == dir && (e->run != nullptr || e->run_on_stream != nullptr) ? e : nullptr;
+}
+
 status run_forward(const attention_params& p, const kernel_selection& s, const attention_config& config) {
-  (void)config;  // read only by the CUDA backend (its stream)
-  switch (s.kind) {
-    case kernel_kind::reference_forward: return ref::reference_forward(p);
-    case kernel_kind::cpu_fused_forward_scalar: return cpu::fused_forward_scalar(p);
-    case kernel_kind::cpu_fused_forward_avx2: return cpu::fused_forward_avx2(p);
-    case kernel_kind::cpu_fused_forward_portable: return cpu::fused_forward_portable(p);
-    case kernel_kind::cpu_three_stage_forward: return cpu::three_stage_forward(p);
-#if defined(DFSS_WITH_CUDA_BACKEND)
-    case kernel_kind::cuda_three_stage_forward: return cuda::attention_forward(p, config.cuda_stream);
-#endif
-    default: break;
+  const core::kernel_entry* e = chosen(s, core::direction::forward);
+  if (e == nullptr) {
+    return {status_code::internal, std::string(kForwardOp) + ": selector chose '" + s.name +
+                                       "', which is not a forward kernel"};
   }
-  return {status_code::internal, std::string(kForwardOp) + ": selector chose '" + s.name +
-                                     "', which is not a forward kernel"};
+  return e->run_on_stream != nullptr ? e->run_on_stream(p, config.cuda_stream) : e->run(p);
 }
 
 /// Writes @p value to every element of the [n0, n1, n2, n3] tensor at @p base (element strides
@@ -88,13 +82,11 @@ bool backward_without_work(const attention_params& p, const backward_args& a) {
   return true;
 }
 
-using cpu_kernel = status (*)(const attention_params&) noexcept;
-
 /// The CPU backward needs the forward's O and LSE; when the caller gave neither, they are computed
 /// here with the forward of the same instruction set (same scores, same selection) into
 /// temporaries. A caller that gives them must have produced them with that forward too, or a
 /// near-tie may be kept differently.
-status run_cpu_backward(const attention_params& p, cpu_kernel forward, cpu_kernel backward) {
+status run_cpu_backward(const attention_params& p, core::host_kernel_fn forward, core::host_kernel_fn backward) {
   if (p.o != nullptr && p.lse != nullptr) return backward(p);
   const std::int64_t B = p.batch, Lq = p.seqlen_q, H = p.heads, d = p.head_dim;
   std::vector<float> o(static_cast<std::size_t>(B * Lq * H * d)), lse(static_cast<std::size_t>(B * H * Lq));
@@ -121,18 +113,17 @@ status run_cpu_backward(const attention_params& p, cpu_kernel forward, cpu_kerne
 }
 
 status run_backward(const attention_params& p, const kernel_selection& s) {
-  switch (s.kind) {
-    case kernel_kind::reference_backward: return ref::reference_backward(p);
-    case kernel_kind::cpu_fused_backward_avx2:
-      return run_cpu_backward(p, cpu::fused_forward_avx2, cpu::fused_backward_avx2);
-    case kernel_kind::cpu_fused_backward_scalar:
-      return run_cpu_backward(p, cpu::fused_forward_scalar, cpu::fused_backward_scalar);
-    case kernel_kind::cpu_fused_backward_portable:
-      return run_cpu_backward(p, cpu::fused_forward_portable, cpu::fused_backward_portable);
-    default: break;
+  const core::kernel_entry* e = chosen(s, core::direction::backward);
+  if (e == nullptr || e->run == nullptr) {
+    return {status_code::internal, std::string(kBackwardOp) + ": selector chose '" + s.name +
+                                       "', which is not a backward kernel"};
   }
-  return {status_code::internal, std::string(kBackwardOp) + ": selector chose '" + s.name +
-                                     "', which is not a backward kernel"};
+  if (e->forward == kernel_kind::none) return e->run(p);
+  const core::kernel_entry* f = core::find_kernel(e->forward);
+  if (f == nullptr || f->run == nullptr) {
+    return {status_code::internal, std::string(kBackwardOp) + ": '" + s.name + "' names no host forward kernel"};
+  }
+  return run_cpu_backward(p, f->run, e->run);
 }
 
 }  // namespace
@@ -144,8 +135,8 @@ status try_attention_forward(const forward_args& args, const attention_config& c
     if (!st.ok()) return st;
     const kernel_selection s = core::select(p, config, core::direction::forward);
     if (!s.supported()) return unsupported(kForwardOp, s);
-    if ((p.compressed_values != nullptr || p.compressed_meta != nullptr) &&
-        s.kind != kernel_kind::cpu_three_stage_forward) {
+    const core::kernel_entry* e = core::find_kernel(s.kind);
+    if ((p.compressed_values != nullptr || p.compressed_meta != nullptr) && (e == nullptr || !e->writes_compressed)) {
       return {status_code::unsupported,
               std::string(kForwardOp) + ": the compressed outputs need the cpu three-stage kernel, but '" +
                   s.name + "' was selected (the cpu backend takes f32, f16 and bf16 inputs)"};

@@ -6,33 +6,71 @@
 #endif
 
 namespace dfss::core {
+namespace {
+
+constexpr cpu_feature kAll[] = {cpu_feature::sse4_2,  cpu_feature::avx,      cpu_feature::avx2,
+                                cpu_feature::fma,     cpu_feature::f16c,     cpu_feature::avx512f,
+                                cpu_feature::avx512bw, cpu_feature::avx512bf16, cpu_feature::neon};
+
+bool detect(cpu_feature f) noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  switch (f) {
+    case cpu_feature::sse4_2: return __builtin_cpu_supports("sse4.2") != 0;
+    case cpu_feature::avx: return __builtin_cpu_supports("avx") != 0;
+    case cpu_feature::avx2: return __builtin_cpu_supports("avx2") != 0;
+    case cpu_feature::fma: return __builtin_cpu_supports("fma") != 0;
+    case cpu_feature::f16c: {
+      // cpuid leaf 1 directly: clang 14's __builtin_cpu_supports does not know "f16c".
+      unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+      return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+    }
+    case cpu_feature::avx512f: return __builtin_cpu_supports("avx512f") != 0;
+    case cpu_feature::avx512bw: return __builtin_cpu_supports("avx512bw") != 0;
+    case cpu_feature::avx512bf16: return __builtin_cpu_supports("avx512bf16") != 0;
+    case cpu_feature::neon: return false;
+  }
+  return false;
+#elif defined(__aarch64__)
+  return f == cpu_feature::neon;
+#else
+  (void)f;
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool cpu_has(cpu_feature f) noexcept {
+  // One detection per feature for the process (thread-safe static initialisation).
+  static const auto present = [] {
+    unsigned bits = 0;
+    for (const cpu_feature g : kAll) bits |= detect(g) ? 1u << static_cast<unsigned>(g) : 0u;
+    return bits;
+  }();
+  return ((present >> static_cast<unsigned>(f)) & 1u) != 0;
+}
+
+const char* cpu_feature_name(cpu_feature f) noexcept {
+  switch (f) {
+    case cpu_feature::sse4_2: return "sse4.2";
+    case cpu_feature::avx: return "avx";
+    case cpu_feature::avx2: return "avx2";
+    case cpu_feature::fma: return "fma";
+    case cpu_feature::f16c: return "f16c";
+    case cpu_feature::avx512f: return "avx512f";
+    case cpu_feature::avx512bw: return "avx512bw";
+    case cpu_feature::avx512bf16: return "avx512bf16";
+    case cpu_feature::neon: return "neon";
+  }
+  return "unknown";
+}
 
 std::vector<std::string> detect_cpu_features() {
   std::vector<std::string> out;
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  struct feature {
-    const char* name;
-    bool present;
-  };
-  const feature features[] = {
-      {"sse4.2", __builtin_cpu_supports("sse4.2") != 0},
-      {"avx", __builtin_cpu_supports("avx") != 0},
-      {"avx2", __builtin_cpu_supports("avx2") != 0},
-      {"fma", __builtin_cpu_supports("fma") != 0},
-      // cpuid leaf 1 directly: clang 14's __builtin_cpu_supports does not know "f16c".
-      {"f16c", __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0},
-      {"avx512f", __builtin_cpu_supports("avx512f") != 0},
-      {"avx512bw", __builtin_cpu_supports("avx512bw") != 0},
-      {"avx512bf16", __builtin_cpu_supports("avx512bf16") != 0},
-  };
-  for (const auto& f : features) {
-    if (f.present) out.emplace_back(f.name);
+  for (const cpu_feature f : kAll) {
+    if (cpu_has(f)) out.emplace_back(cpu_feature_name(f));
   }
-#elif defined(__aarch64__)
-  out.emplace_back("neon");
-#endif
   return out;
 }
 

@@ -1,4 +1,7 @@
-// Run-time CPU feature detection (cpuid on x86, nothing elsewhere yet).
+// Run-time CPU feature detection, the one place the library asks the CPU what it can run (cpuid
+// through the compiler's builtins on x86; NEON is architectural on AArch64). The kernel registry
+// (core/registry.cpp) turns these answers into "this CPU can run kernel X"; `dfss info` and
+// dfss::get_build_info list them by name.
 #pragma once
 
 #include <string>
@@ -6,7 +9,16 @@
 
 namespace dfss::core {
 
-/// @brief Names of the SIMD features this CPU reports and the OS enables, e.g. {"sse4.2", "avx2"}.
+/// @brief The SIMD features the kernels or `dfss info` care about.
+enum class cpu_feature { sse4_2, avx, avx2, fma, f16c, avx512f, avx512bw, avx512bf16, neon };
+
+/// @brief Whether this CPU reports @p f and the OS enables it. Detected once, then cached.
+bool cpu_has(cpu_feature f) noexcept;
+
+/// @brief Lower-case name of @p f as `dfss info` prints it, e.g. "sse4.2", "avx2", "f16c".
+const char* cpu_feature_name(cpu_feature f) noexcept;
+
+/// @brief Names of the features this CPU has, in enum order, e.g. {"sse4.2", "avx", "avx2", "fma"}.
 std::vector<std::string> detect_cpu_features();
 
 }  // namespace dfss::core

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "dfss/mask/visibility.hpp"
 #include "dfss/numeric.hpp"
 #include "dfss/params.hpp"
 
@@ -44,11 +45,10 @@ inline std::int64_t valid_keys(const attention_params& p, std::int64_t b) noexce
              : static_cast<const std::int64_t*>(p.key_lengths)[off];
 }
 
-/// @brief Last key index visible to query @p i under the bottom-right aligned causal mask (may be
-/// negative: then the row sees no key), or seqlen_k - 1 without a causal mask.
-inline std::int64_t causal_last_key(const attention_params& p, std::int64_t i) noexcept {
-  if (!p.causal) return p.seqlen_k - 1;
-  return i + (p.seqlen_k - p.seqlen_q);
+/// @brief Exclusive end of the keys query row @p i of batch @p b sees: keys [0, end) are visible,
+/// every later key is masked. The one rule of dfss/mask/visibility.hpp on this call's params.
+inline std::int64_t visible_end(const attention_params& p, std::int64_t b, std::int64_t i) noexcept {
+  return mask::visible_end(p.causal, p.seqlen_q, p.seqlen_k, valid_keys(p, b), i);
 }
 
 /// @brief Offset of [b, l, h, d] in a tensor with element strides @p s.

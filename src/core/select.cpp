@@ -1,23 +1,22 @@
-// Kernel selection rules. Order of preference for backend::automatic: cpu (when it supports the call),
-// then the fp64 reference, which supports everything that passes validation.
+// Kernel selection rules over the kernel registry (core/registry.hpp). Order of preference for
+// backend::automatic: cpu (when it supports the call), then the fp64 reference, which supports
+// everything that passes validation. Within the cpu backend, cpu_isa::automatic takes the first
+// registered kernel marked automatic that this CPU can run.
 #include "core/select.hpp"
 
 #include <string>
 
 #include "core/device_memory.hpp"
-#include "cpu/isa.hpp"
-#if defined(DFSS_WITH_CUDA_BACKEND)
-#include "cuda/attention_cuda.hpp"
-#endif
+#include "core/registry.hpp"
 
 namespace dfss::core {
 namespace {
 
-kernel_selection make(kernel_kind kind, backend b, const char* name) {
+kernel_selection make(const kernel_entry& e) {
   kernel_selection s;
-  s.kind = kind;
-  s.backend = b;
-  s.name = name;
+  s.kind = e.kind;
+  s.backend = e.backend;
+  s.name = e.name;
   return s;
 }
 
@@ -28,79 +27,69 @@ kernel_selection reject(backend b, std::string reason) {
   return s;
 }
 
+/// The first registered kernel of backend @p b and direction @p dir for which @p match holds.
+template <typename Match>
+const kernel_entry* first(backend b, direction dir, Match&& match) {
+  for (const kernel_entry& e : kernel_registry()) {
+    if (e.backend == b && e.dir == dir && match(e)) return &e;
+  }
+  return nullptr;
+}
+
 kernel_selection select_reference(direction dir) {
-  return dir == direction::forward
-             ? make(kernel_kind::reference_forward, backend::reference, "reference.forward")
-             : make(kernel_kind::reference_backward, backend::reference, "reference.backward");
+  const kernel_entry* e = first(backend::reference, dir, [](const kernel_entry&) { return true; });
+  return e != nullptr ? make(*e) : reject(backend::reference, "this build of dfss has no reference kernel");
 }
 
-/// The backward runs on the instruction set the forward would (its twin recomputes that forward's
-/// exact selection): generic -> scalar, portable -> portable, avx2 -> avx2 (when the CPU has it),
-/// automatic -> avx2 when the CPU has it, else portable. All three write dbias with broadcast
-/// dimensions.
-kernel_selection select_cpu_backward(const attention_params& p, const attention_config& c, bool avx2_ok) {
-  const auto avx2 = make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
-  const auto portable = make(kernel_kind::cpu_fused_backward_portable, backend::cpu, "cpu.fused_backward.portable");
-  switch (c.cpu_isa) {
-    case cpu_isa::generic:
-      return make(kernel_kind::cpu_fused_backward_scalar, backend::cpu, "cpu.fused_backward.scalar");
-    case cpu_isa::portable:
-      return portable;
-    case cpu_isa::avx2:
-      if (!avx2_ok) {
-        return reject(backend::cpu, "cpu_isa avx2 was requested but this CPU lacks AVX2, FMA" +
-                                        std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
-      }
-      return avx2;
-    case cpu_isa::automatic:
-      return avx2_ok ? avx2 : portable;
-  }
-  return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
-}
-
+/// The CPU kernel for the requested algorithm and instruction set. The backward runs on the
+/// instruction set the forward would (its twin recomputes that forward's exact selection):
+/// generic -> scalar, portable -> portable, avx2 -> avx2 (when the CPU has it), automatic -> avx2
+/// when the CPU has it, else portable; it is fused whichever algorithm the forward used. An
+/// algorithm with one kernel for every instruction set (the three-stage pipeline) ignores cpu_isa.
 kernel_selection select_cpu(const attention_params& p, const attention_config& c, direction dir) {
-  if (p.input_type == dtype::f64) {
-    return reject(backend::cpu,
-                  "the cpu backend takes f32, f16 and bf16 inputs, got f64; use backend reference");
+  const dtype t = p.input_type;
+  if (first(backend::cpu, dir, [t](const kernel_entry& e) { return e.takes(t); }) == nullptr) {
+    return reject(backend::cpu, std::string("the cpu backend takes f32, f16 and bf16 inputs, got ") + dtype_name(t) +
+                                    "; use backend reference");
   }
-  const bool avx2_ok = cpu::cpu_supports_avx2() && (p.input_type != dtype::f16 || cpu::cpu_supports_f16c());
-  if (dir == direction::backward) return select_cpu_backward(p, c, avx2_ok);
-  if (c.cpu_algorithm == cpu_algorithm::three_stage) {
-    return make(kernel_kind::cpu_three_stage_forward, backend::cpu, "cpu.three_stage_forward.generic");
+  const cpu_algorithm algorithm = dir == direction::backward ? cpu_algorithm::fused : c.cpu_algorithm;
+  const auto of_algorithm = [&](const kernel_entry& e) { return e.algorithm == algorithm && e.takes(t); };
+  if (const kernel_entry* e = first(backend::cpu, dir, [&](const kernel_entry& x) { return of_algorithm(x) && x.every_isa; })) {
+    return make(*e);
   }
-  switch (c.cpu_isa) {
-    case cpu_isa::generic:
-      return make(kernel_kind::cpu_fused_forward_scalar, backend::cpu, "cpu.fused_forward.scalar");
-    case cpu_isa::avx2:
-      if (!avx2_ok) {
-        return reject(backend::cpu, "cpu_isa avx2 was requested but this CPU lacks AVX2, FMA" +
-                                        std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
-      }
-      return make(kernel_kind::cpu_fused_forward_avx2, backend::cpu, "cpu.fused_forward.avx2");
-    case cpu_isa::portable:
-      return make(kernel_kind::cpu_fused_forward_portable, backend::cpu, "cpu.fused_forward.portable");
-    case cpu_isa::automatic:
-      return avx2_ok ? make(kernel_kind::cpu_fused_forward_avx2, backend::cpu, "cpu.fused_forward.avx2")
-                     : make(kernel_kind::cpu_fused_forward_portable, backend::cpu, "cpu.fused_forward.portable");
+  if (c.cpu_isa == cpu_isa::automatic) {
+    const kernel_entry* e = first(backend::cpu, dir, [&](const kernel_entry& x) {
+      return of_algorithm(x) && x.automatic && (x.cpu_lacks == nullptr || x.cpu_lacks(t) == nullptr);
+    });
+    if (e != nullptr) return make(*e);
+    return reject(backend::cpu, "no cpu kernel of this build runs on this CPU");
   }
-  return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
+  const kernel_entry* e = first(backend::cpu, dir, [&](const kernel_entry& x) { return of_algorithm(x) && x.isa == c.cpu_isa; });
+  if (e == nullptr) {
+    return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
+  }
+  if (const char* lacks = e->cpu_lacks != nullptr ? e->cpu_lacks(t) : nullptr) {
+    return reject(backend::cpu, std::string("cpu_isa ") + e->isa_name + " was requested but this CPU lacks " + lacks);
+  }
+  return make(*e);
 }
 
 kernel_selection select_cuda(const attention_params& p, direction dir) {
-#if defined(DFSS_WITH_CUDA_BACKEND)
-  if (dir == direction::backward) {
-    return reject(backend::cuda, "the CUDA backend has no backward kernels yet; use backend cpu or reference");
+  const auto any = [](const kernel_entry&) { return true; };
+  if (first(backend::cuda, direction::forward, any) == nullptr && first(backend::cuda, direction::backward, any) == nullptr) {
+    return reject(backend::cuda, "this build of dfss has no CUDA attention kernels");
   }
-  const std::string why = cuda::forward_unsupported_reason(p);
+  const kernel_entry* e = first(backend::cuda, dir, any);
+  if (e == nullptr) {
+    return reject(backend::cuda, dir == direction::backward
+                                     ? "the CUDA backend has no backward kernels yet; use backend cpu or reference"
+                                     : "the CUDA backend has no forward kernels");
+  }
+  const std::string why = e->unsupported_reason != nullptr ? e->unsupported_reason(p) : std::string();
   if (!why.empty()) return reject(backend::cuda, why);
-  kernel_selection s = make(kernel_kind::cuda_three_stage_forward, backend::cuda, "");
-  s.name = cuda::forward_kernel_name(p);
+  kernel_selection s = make(*e);
+  if (e->instance_name != nullptr) s.name = e->instance_name(p);
   return s;
-#else
-  (void)p;
-  (void)dir;
-  return reject(backend::cuda, "this build of dfss has no CUDA attention kernels");
-#endif
 }
 
 }  // namespace

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) sddmm_select_kernel(pipeline_args a)
   // Epilogue: masks, selection, stores.
   const i64 urow0 = row0 + 32 * wr;
   const i64 ukey0 = key0 + 32 * wk;
-  const warp::score_mask mask{a.seqlen_k, kv_length(a, b), a.causal, a.seqlen_k - a.seqlen_q};
+  const warp::score_mask mask{a.seqlen_q, a.seqlen_k, kv_length(a, b), a.causal};
   warp::apply_unit16_mask(acc, lane, urow0, ukey0, mask);
   const warp::unit16_selection<float> sel = warp::select_unit16(acc, lane, P);
   // The lane's stores are at fixed offsets from its first one: rows 16 i (+ 8 for e >= 2) and

@@ -1,13 +1,12 @@
 // fp64 reference backward (see reference.hpp and docs/semantics.md): the selection is held fixed,
 //   dV = P^T dO,  dP = dO V^T on kept entries,  dS = P * (dP - rowsum(dO * O)),
 //   dQ = scale * dS K,  dK = scale * dS^T Q,  dBias = scale * dS (summed over broadcast dimensions).
-#include <omp.h>
-
-#include <atomic>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "core/element_access.hpp"
+#include "cpu/parallel.hpp"
 #include "ref/reference.hpp"
 #include "ref/reference_row.hpp"
 
@@ -83,27 +82,14 @@ void backward_qkv_task(const attention_params& p, kv_block& kv, row_result& r, s
   }
 }
 
-/// Parallel over (batch, kv head); false when an allocation failed.
-bool backward_qkv(const attention_params& p) {
-  const std::int64_t tasks = p.batch * p.heads_kv;
-  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
-  std::atomic<bool> out_of_memory{false};  // exceptions must not leave the parallel region
-#pragma omp parallel num_threads(threads)
-  {
+/// Parallel over (batch, kv head); the buffers live for one task.
+void backward_qkv(const attention_params& p) {
+  cpu::parallel_for(p.batch * p.heads_kv, p.num_threads, cpu::schedule::contiguous, [] {}, [&](std::int64_t t) {
     kv_block kv;
     row_result r;
     std::vector<double> dout, ds, dq, dk, dv;
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < tasks; ++t) {
-      if (out_of_memory) continue;
-      try {
-        backward_qkv_task(p, kv, r, dout, ds, dq, dk, dv, t);
-      } catch (const std::bad_alloc&) {
-        out_of_memory = true;
-      }
-    }
-  }
-  return !out_of_memory;
+    backward_qkv_task(p, kv, r, dout, ds, dq, dk, dv, t);
+  });
 }
 
 /// dBias rows: each row of dbias sums scale * dS over the (batch, head) pairs it broadcasts to,
@@ -137,33 +123,24 @@ void backward_bias_task(const attention_params& p, kv_block& kv, row_result& r, 
   }
 }
 
-/// Parallel over the (batch, head) slices of dbias; false when an allocation failed.
-bool backward_bias(const attention_params& p) {
+/// Parallel over the (batch, head) slices of dbias; the buffers live for one task.
+void backward_bias(const attention_params& p) {
   const std::int64_t tasks = (p.dbias_stride[0] == 0 ? 1 : p.batch) * (p.dbias_stride[1] == 0 ? 1 : p.heads);
-  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
-  std::atomic<bool> out_of_memory{false};
-#pragma omp parallel num_threads(threads)
-  {
+  cpu::parallel_for(tasks, p.num_threads, cpu::schedule::contiguous, [] {}, [&](std::int64_t t) {
     kv_block kv;
     row_result r;
     std::vector<double> dout, ds, acc;
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < tasks; ++t) {
-      if (out_of_memory) continue;
-      try {
-        backward_bias_task(p, kv, r, dout, ds, acc, t);
-      } catch (const std::bad_alloc&) {
-        out_of_memory = true;
-      }
-    }
-  }
-  return !out_of_memory;
+    backward_bias_task(p, kv, r, dout, ds, acc, t);
+  });
 }
 
 }  // namespace
 
 status reference_backward(const attention_params& p) noexcept {
-  if (!backward_qkv(p) || (p.dbias != nullptr && !backward_bias(p))) {
+  try {
+    backward_qkv(p);
+    if (p.dbias != nullptr) backward_bias(p);
+  } catch (const std::bad_alloc&) {
     return {status_code::internal, "dfss reference backward: out of memory"};
   }
   return status::success();

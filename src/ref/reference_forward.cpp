@@ -1,9 +1,8 @@
 // fp64 reference forward (see reference.hpp and docs/semantics.md).
-#include <omp.h>
-
-#include <atomic>
+#include <new>
 
 #include "core/element_access.hpp"
+#include "cpu/parallel.hpp"
 #include "ref/reference.hpp"
 #include "ref/reference_row.hpp"
 
@@ -30,24 +29,17 @@ void forward_task(const attention_params& p, kv_block& kv, row_result& r, std::i
 }  // namespace
 
 status reference_forward(const attention_params& p) noexcept {
-  const std::int64_t tasks = p.batch * p.heads;
-  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
-  std::atomic<bool> out_of_memory{false};  // exceptions must not leave the parallel region
-#pragma omp parallel num_threads(threads)
-  {
-    kv_block kv;
-    row_result r;
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < tasks; ++t) {
-      if (out_of_memory) continue;
-      try {
-        forward_task(p, kv, r, t);
-      } catch (const std::bad_alloc&) {
-        out_of_memory = true;
-      }
-    }
+  // The reference's buffers live for one task: it is the oracle, not a hot path, and keeps nothing
+  // between calls.
+  try {
+    cpu::parallel_for(p.batch * p.heads, p.num_threads, cpu::schedule::contiguous, [] {}, [&](std::int64_t t) {
+      kv_block kv;
+      row_result r;
+      forward_task(p, kv, r, t);
+    });
+  } catch (const std::bad_alloc&) {
+    return {status_code::internal, "dfss reference forward: out of memory"};
   }
-  if (out_of_memory) return {status_code::internal, "dfss reference forward: out of memory"};
   return status::success();
 }
 

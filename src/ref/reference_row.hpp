@@ -55,8 +55,7 @@ inline void compute_row(const attention_params& p, const kv_block& kv, std::int6
         core::load_as_double(p.q, p.input_type, core::offset4(p.q_stride, b, i, h, c));
   }
   const double neg_inf = -std::numeric_limits<double>::infinity();
-  const std::int64_t len = core::valid_keys(p, b);
-  const std::int64_t last = core::causal_last_key(p, i);
+  const std::int64_t end = core::visible_end(p, b, i);  // keys [0, end) are visible
 
   // 1-2. Scores and masks.
   for (std::int64_t j = 0; j < L; ++j) {
@@ -67,7 +66,7 @@ inline void compute_row(const attention_params& p, const kv_block& kv, std::int6
                                   b * p.bias_stride[0] + h * p.bias_stride[1] +
                                       i * p.bias_stride[2] + j * p.bias_stride[3]);
     }
-    if (j >= len || j > last) acc = neg_inf;
+    if (j >= end) acc = neg_inf;
     r.s[static_cast<std::size_t>(j)] = acc;
   }
 

@@ -311,7 +311,9 @@ TEST(ApiLimits, ElementOffsetsBeyond32BitsAreNotTruncated) {
   // The oracle: the reference on packed copies.
   std::vector<double> packed(static_cast<std::size_t>(B * L * d)), ref(packed.size());
   for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t i = 0; i < L * d; ++i) packed[static_cast<std::size_t>(b * L * d + i)] = in.base()[b * far + i];
+    for (std::int64_t i = 0; i < L * d; ++i) {
+      packed[static_cast<std::size_t>(b * L * d + i)] = static_cast<double>(in.base()[b * far + i]);
+    }
   forward_args r;
   r.q = r.k = r.v = make_view(packed.data(), shape);
   r.out = make_view(ref.data(), shape);

@@ -427,7 +427,7 @@ TEST(CpuThreeStage, ExportedValuesAreTheOnesTheSoftmaxConsumes) {
           for (std::int64_t k = 0; k < S; ++k) sum += std::exp(static_cast<double>(got.values[row + static_cast<std::size_t>(k)]) - mx);
           ASSERT_NEAR(got.lse[lse_at], mx + std::log(sum), (16.0 + static_cast<double>(pr.Lk)) * kEps32 * (1 + std::abs(mx)));
           for (std::int64_t k = 0; k < S; ++k) {
-            const double val = got.values[row + static_cast<std::size_t>(k)];
+            const double val = static_cast<double>(got.values[row + static_cast<std::size_t>(k)]);
             const std::int32_t j = got.indices[row + static_cast<std::size_t>(k)];
             if (val == -kInf) continue;
             ASSERT_LT(j, pr.Lk);

@@ -200,7 +200,7 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng) {
   }
   o.values.resize(static_cast<std::size_t>(lay.value_elems()));
   o.meta.resize(static_cast<std::size_t>(lay.meta_words()));
-  const w::score_mask mask{c.Lk, c.kv, c.causal, c.Lk - c.Lq};
+  const w::score_mask mask{c.Lq, c.Lk, c.kv, c.causal};
   const w::sp_pattern p = c.two_of_four ? w::sp_pattern::p2of4 : w::sp_pattern::p1of2;
   for (std::int64_t rb = 0; rb < lay.rows_padded / 32; ++rb) {
     for (std::int64_t kb = 0; kb < lay.keys_padded / 32; ++kb) {
@@ -221,9 +221,9 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng) {
           for (int e = 0; e < 8; e += 2) {
             const w::unit16_store st = w::unit16_value_store(lane, i, e, 32 * rb, 32 * kb);
             o.values[static_cast<std::size_t>(lay.value_offset(st.row, st.ccol))] =
-                dfss::from_double<dfss::bfloat16>(sel.a[i][e] * c.scale_log2);
+                dfss::from_double<dfss::bfloat16>(static_cast<double>(sel.a[i][e] * c.scale_log2));
             o.values[static_cast<std::size_t>(lay.value_offset(st.row, st.ccol + 1))] =
-                dfss::from_double<dfss::bfloat16>(sel.a[i][e + 1] * c.scale_log2);
+                dfss::from_double<dfss::bfloat16>(static_cast<double>(sel.a[i][e + 1] * c.scale_log2));
           }
           for (int h = 0; h < 2; ++h) bits[i][h][lane] = sel.meta_bits[i][h];
         }
@@ -247,7 +247,7 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng) {
     const float mm = empty ? 0.0f : m;
     for (std::int64_t x = 0; x < cols; ++x) {
       const std::size_t at = static_cast<std::size_t>(lay.value_offset(r, x));
-      o.probs[at] = dfss::from_double<dfss::bfloat16>(std::exp2(static_cast<float>(dfss::to_double(o.values[at])) - mm) * inv);
+      o.probs[at] = dfss::from_double<dfss::bfloat16>(static_cast<double>(std::exp2(static_cast<float>(dfss::to_double(o.values[at])) - mm) * inv));
     }
     o.lse[static_cast<std::size_t>(r)] =
         empty ? -std::numeric_limits<float>::infinity() : 0.69314718f * (m + std::log2(sum));

@@ -186,9 +186,9 @@ TEST(CudaWarpFragments, KeyPermutationGivesEachLaneWholeGroups) {
       const int val_lane = 4 * g + c % 4;
       const int reg = (c >= 4 ? 4 : 0) + 2 * half;
       arow[static_cast<std::size_t>(4 * c + static_cast<int>(i0))] =
-          a[static_cast<std::size_t>(val_lane)][static_cast<std::size_t>(reg)];
+          static_cast<double>(a[static_cast<std::size_t>(val_lane)][static_cast<std::size_t>(reg)]);
       arow[static_cast<std::size_t>(4 * c + static_cast<int>(i1))] =
-          a[static_cast<std::size_t>(val_lane)][static_cast<std::size_t>(reg + 1)];
+          static_cast<double>(a[static_cast<std::size_t>(val_lane)][static_cast<std::size_t>(reg + 1)]);
     }
     for (int n = 0; n < 8; ++n) {
       double acc = 0.0;
@@ -220,7 +220,7 @@ TEST(CudaWarpFragments, KeyPermutationGivesEachLaneWholeGroups) {
       }
       const int pos = code == 0x4u ? 0 : 1;
       arow[static_cast<std::size_t>(2 * c + pos)] =
-          a[static_cast<std::size_t>(4 * g + c % 4)][static_cast<std::size_t>(half + 2 * (c / 4))];
+          static_cast<double>(a[static_cast<std::size_t>(4 * g + c % 4)][static_cast<std::size_t>(half + 2 * (c / 4))]);
     }
     for (int n = 0; n < 8; ++n) {
       double acc = 0.0;
@@ -529,7 +529,7 @@ void check_epilogue(const epilogue_case& ec, std::mt19937_64& rng) {
   std::vector<float> raw(static_cast<std::size_t>(lay.rows_padded * lay.keys_padded));
   std::uniform_int_distribution<int> small(-3, 3);
   for (auto& x : raw) x = static_cast<float>(small(rng));
-  const w::score_mask mask{ec.keys, ec.kv_len, ec.causal, static_cast<std::int64_t>(ec.keys) - ec.rows};
+  const w::score_mask mask{ec.rows, ec.keys, ec.kv_len, ec.causal};
 
   std::vector<float> values(static_cast<std::size_t>(lay.value_elems()), kNaNF);
   std::vector<std::uint32_t> meta(static_cast<std::size_t>(lay.meta_words()), 0xFFFFFFFFu);

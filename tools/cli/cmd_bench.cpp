@@ -30,7 +30,6 @@
 //
 // The units are in tools/cli/bench/ (bench.hpp lists them); this file registers the options and runs
 // the command.
-#include <omp.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -140,7 +139,7 @@ int run_bench() {
     for (const auto& p : o.memory_patterns) pattern::parse(p, "--memory-patterns");
     for (const auto& a : o.algorithms) parse_cpu_algorithm_arg(a);
     for (const auto& i : o.isas) parse_cpu_isa_arg(i);
-    if (o.threads == 0) o.threads = omp_get_num_procs();
+    if (o.threads == 0) o.threads = hardware_threads();
     if (!o.json.empty()) {
       try {
         files::check_writable(o.json);  // before minutes of measuring; written atomically at the end
@@ -162,7 +161,7 @@ int run_bench() {
     std::printf("dfss bench: dfss %s, %s; %s%s\n", info.version.c_str(), date.c_str(),
                 commit.empty() ? "commit unknown" : "commit ", commit.c_str());
     std::printf("machine: %s, %d hardware threads, features: %s; compiler: %s\n", mi.cpu.c_str(),
-                omp_get_num_procs(), join(info.cpu_features, " ").c_str(), info.compiler.c_str());
+                hardware_threads(), join(info.cpu_features, " ").c_str(), info.compiler.c_str());
     std::printf("kernel: --isa %s selects %s (ISA %s) for dense fused %s\n", o.isas[0].c_str(),
                 mi.kernel.c_str(), mi.isa.c_str(), o.backward ? "forward (backward: see the kernel column)" : "forward");
     std::printf(

@@ -1,6 +1,7 @@
-// `dfss info`: what this build contains and what the machine offers.
+// `dfss info`: what this build contains (backends, kernels) and what the machine offers.
 #include <omp.h>
 
+#include <iomanip>
 #include <iostream>
 
 #include "cli/commands.hpp"
@@ -16,6 +17,19 @@ void print_list(const char* label, const std::vector<std::string>& items, const 
   std::cout << "\n";
 }
 
+/// The kernel registry, one kernel a line, in the selector's order of preference: which cpu_isa
+/// requests it, the input types it takes, and whether this machine can run it (and if not, why).
+void print_kernels(const std::vector<kernel_info>& kernels) {
+  std::cout << "kernels:\n";
+  for (const kernel_info& k : kernels) {
+    std::cout << "  " << std::left << std::setw(34) << k.name << std::setw(9) << k.direction
+              << std::setw(10) << (k.isa.empty() ? "-" : k.isa) << std::setw(17) << k.dtypes
+              << (k.runs_here ? "runs here" : "not here");
+    if (!k.needs.empty()) std::cout << " (needs " << k.needs << ")";
+    std::cout << "\n";
+  }
+}
+
 }  // namespace
 
 int run_info() {
@@ -26,6 +40,7 @@ int run_info() {
   print_list("cuda architectures: ", info.cuda_architectures, "(built without CUDA)");
   std::cout << "threads:            " << omp_get_max_threads() << "\n";
   std::cout << "compiler:           " << info.compiler << "\n";
+  print_kernels(info.kernels);
   return kExitOk;
 }
 

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "dfss/format/nm_select.hpp"
+#include "dfss/mask/visibility.hpp"
 
 namespace dfss::quality {
 namespace {
@@ -127,8 +128,7 @@ std::vector<std::int64_t> all_keys(std::int64_t n) {
 }  // namespace
 
 std::int64_t visible_keys(std::int64_t i, std::int64_t lq, std::int64_t lk, bool causal) {
-  if (!causal) return lk;
-  return std::clamp<std::int64_t>(i + (lk - lq) + 1, 0, lk);
+  return mask::causal_end(causal, lq, lk, i);
 }
 
 std::int64_t nm_budget(std::int64_t visible, pattern p) {

@@ -54,8 +54,9 @@ struct head {
   std::int64_t lk() const { return k.rows; }
 };
 
-/// @brief Keys visible to query row @p i: all @p lk keys, or with @p causal the keys
-/// j <= i + (lk - lq), clamped to [0, lk]. Visible keys are always the prefix [0, count).
+/// @brief Keys visible to query row @p i: all @p lk keys, or with @p causal those of the causal
+/// window (dfss::mask::causal_end, the library's one rule). Visible keys are always the prefix
+/// [0, count).
 std::int64_t visible_keys(std::int64_t i, std::int64_t lq, std::int64_t lk, bool causal);
 
 /// @brief Keys DFSS keeps out of @p visible visible keys (a prefix of the row) with pattern @p p:

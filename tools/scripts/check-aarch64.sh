@@ -11,14 +11,15 @@ cxx=aarch64-linux-gnu-g++
 command -v "$cxx" >/dev/null || { echo "SKIP: $cxx not installed (Debian g++-aarch64-linux-gnu)"; exit 77; }
 command -v qemu-aarch64 >/dev/null || { echo "SKIP: qemu-aarch64 not installed (Debian qemu-user)"; exit 77; }
 mkdir -p "$out"
-sources=(src/core/types.cpp src/core/validate.cpp src/core/select.cpp src/core/api.cpp src/core/build_info.cpp
-         src/core/cpu_features.cpp src/core/device_memory.cpp src/ref/reference_forward.cpp src/ref/reference_backward.cpp src/cpu/isa.cpp
-         src/cpu/fused_forward_scalar.cpp src/cpu/fused_forward_avx2.cpp src/cpu/fused_forward_portable.cpp
-         src/cpu/three_stage_forward.cpp src/format/format.cpp tests/arm/portable_check.cpp)
+# The library's sources as src/CMakeLists.txt lists them (the add_library(dfss ...) block), so that a
+# file moved or added there is cross-built here too, plus the check itself.
+mapfile -t lib < <(sed -n '/^add_library(dfss$/,/^)$/p' "$src/src/CMakeLists.txt" | sed -n 's/^  *\([^ ]*\.cpp\)$/src\/\1/p')
+(( ${#lib[@]} > 0 )) || { echo "no library sources found in src/CMakeLists.txt"; exit 1; }
+sources=("${lib[@]}" tests/arm/portable_check.cpp)
 objs=()
 pids=()
 for s in "${sources[@]}"; do
-  o="$out/$(basename "$s" .cpp).o"
+  o="$out/${s//\//_}.o"  # the path in the name: two folders may hold files of the same name
   extra=()
   [[ "$s" == *portable.cpp ]] && extra=(-ffp-contract=fast -Wno-psabi)
   "$cxx" -std=c++20 -O2 -fopenmp -Wall -Wextra -Werror "${extra[@]}" -I"$src/include" -I"$src/src" -I"$gen" \

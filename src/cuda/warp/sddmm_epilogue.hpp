@@ -7,33 +7,32 @@
 
 #include "cuda/warp/mma_fragments.hpp"
 #include "dfss/config.hpp"
+#include "dfss/mask/visibility.hpp"
 
 namespace dfss::cuda::warp {
 
 /// -inf without library calls (valid in host and device code).
 DFSS_HD float neg_inf_f32() { return -__builtin_huge_valf(); }
 
-/// Which keys a row sees (docs/semantics.md, forward step 2): keys past the end (padding of the
-/// last tile), keys at or past the batch's valid length, and with a causal mask keys after
-/// row + causal_offset (causal_offset = Lk - Lq: bottom-right alignment) are masked to -inf.
+/// Which keys a row sees: the one rule of dfss/mask/visibility.hpp (key lengths, bottom-right
+/// causal). Its visible keys are a prefix of [0, Lk), so keys past the end (padding of the last
+/// tile) are masked to -inf too.
 struct score_mask {
-  std::int64_t keys;           ///< Lk
-  std::int64_t kv_len;         ///< valid keys of this batch, <= Lk
-  bool causal;                 ///< apply the causal rule
-  std::int64_t causal_offset;  ///< Lk - Lq
+  std::int64_t seqlen_q;  ///< Lq
+  std::int64_t seqlen_k;  ///< Lk
+  std::int64_t kv_len;    ///< valid keys of this batch, in [0, Lk]
+  bool causal;            ///< apply the causal rule
 
   DFSS_HD bool visible(std::int64_t row, std::int64_t key) const {
-    return key < keys && key < kv_len && (!causal || key <= row + causal_offset);
+    return mask::visible(causal, seqlen_q, seqlen_k, kv_len, row, key);
   }
 };
 
 /// @brief Exclusive end, relative to @p key0 and clamped to [0, 32], of the keys of row @p row that
-/// @p m leaves visible. The visible keys of a row are a prefix (every condition of score_mask is an
-/// upper bound on the key), so one 64-bit limit per row and 32-bit compares per element suffice.
+/// @p m leaves visible. The visible keys of a row are a prefix (mask::visible_end), so one 64-bit
+/// limit per row and 32-bit compares per element suffice.
 DFSS_HD int unit_visible_end(const score_mask& m, std::int64_t row, std::int64_t key0) {
-  std::int64_t end = m.keys < m.kv_len ? m.keys : m.kv_len;
-  if (m.causal && row + m.causal_offset + 1 < end) end = row + m.causal_offset + 1;
-  end -= key0;
+  const std::int64_t end = mask::visible_end(m.causal, m.seqlen_q, m.seqlen_k, m.kv_len, row) - key0;
   return end < 0 ? 0 : (end > kUnitKeys16 ? kUnitKeys16 : static_cast<int>(end));
 }
 

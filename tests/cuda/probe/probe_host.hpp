@@ -226,7 +226,7 @@ template <typename HT>
 check_report check_sddmm(const slice_case& c, const std::vector<float>& scores, const HT* values,
                          const std::uint32_t* meta, std::vector<std::int32_t>& idx) {
   check_report rep;
-  const cuda::warp::score_mask mask{c.Lk, c.kv, c.causal, c.Lk - c.Lq};
+  const cuda::warp::score_mask mask{c.Lq, c.Lk, c.kv, c.causal};
   std::vector<float> dense(static_cast<std::size_t>(c.Lq * c.Lk));
   for (std::int64_t r = 0; r < c.Lq; ++r) {
     for (std::int64_t j = 0; j < c.Lk; ++j) {
@@ -240,7 +240,7 @@ check_report check_sddmm(const slice_case& c, const std::vector<float>& scores, 
   dfss::nm_compress(dense.data(), c.Lq, c.Lk, c.Lk, c.pat(), vals.data(), idx.data());
   for (std::int64_t r = 0; r < c.Lq; ++r) {
     for (std::int64_t s = 0; s < slots; ++s) {
-      const HT want = dfss::from_double<HT>(vals[static_cast<std::size_t>(r * slots + s)] * c.scale_log2);
+      const HT want = dfss::from_double<HT>(static_cast<double>(vals[static_cast<std::size_t>(r * slots + s)] * c.scale_log2));
       const HT got = values[c.lay.value_offset(r, s)];
       rep.add(want.bits == got.bits ? 0.0 : 1.0, 0.0,
               "value row " + std::to_string(r) + " slot " + std::to_string(s) + ": got " +
@@ -297,7 +297,7 @@ std::array<check_report, 2> check_softmax(const slice_case& c, const HT* s_vals,
                      ", want " + std::to_string(want));
     }
     if (lse == nullptr) continue;
-    const double got = lse[r];
+    const double got = static_cast<double>(lse[r]);
     if (empty) {
       rep[1].add(std::isinf(got) && got < 0 ? 0.0 : 1.0, 0.0, "row " + std::to_string(r) + ": want -inf");
     } else {
@@ -333,7 +333,7 @@ check_report check_spmm(const slice_case& c, const std::vector<std::int32_t>& id
         mag += std::fabs(t);
         ++n;
       }
-      const double got = o[r * o_row + x];
+      const double got = static_cast<double>(o[r * o_row + x]);
       rep.add(std::fabs(got - want), 2.0 * static_cast<double>(std::max<std::int64_t>(n, 1)) * std::ldexp(1.0, -24) * mag,
               "row " + std::to_string(r) + " column " + std::to_string(x) + ": got " + std::to_string(got) + ", want " +
                   std::to_string(want));

@@ -1,6 +1,6 @@
 // Shared declarations of the units of `dfss bench` (tools/cli/cmd_bench.cpp is the command; what each
 // unit does is said at its top): the options, the rows of the table, the harness (timing,
-// statistics, machine description, progress line), and the entry points of the dfss rows, the peers
+// statistics, progress line; machine description and inputs from bench/harness/), and the entry points of the dfss rows, the peers
 // (PyTorch, OpenBLAS), the memory mode and the output.
 #pragma once
 
@@ -16,6 +16,8 @@
 
 #include "dfss/build_info.hpp"
 #include "dfss/dfss.hpp"
+#include "harness/inputs.hpp"
+#include "harness/machine.hpp"
 
 namespace dfss::cli::bench {
 
@@ -58,7 +60,8 @@ inline constexpr long long kBackwardRefLength = 256;
 inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 // ---------------------------------------------------------------------------------------------
-// Harness (harness.cpp): small utilities, machine description, timing and statistics, progress
+// Harness (harness.cpp): small utilities, timing and statistics, progress; the machine description
+// and the inputs come from the benchmarks' shared harness (bench/harness/)
 // ---------------------------------------------------------------------------------------------
 
 template <typename T>
@@ -71,16 +74,17 @@ std::string join(const std::vector<T>& v, const char* sep = ",") {
 std::string torch2_venv_dir();
 std::vector<std::string> default_pythons();
 std::string dtype_label(const std::string& dfss_name);
-std::string shell_quote(const std::string& s);
-/// Runs a shell command and returns its standard output (standard error is not captured).
-std::string capture(const std::string& command, int* exit_status = nullptr);
-std::string trim(std::string s);
 std::string self_exe();
 bool file_exists(const std::string& path);
-std::string cpu_model();
-std::string load_average();
-std::string now_utc();
-std::string git_commit();
+// The machine description and shell helpers every benchmark shares (bench/harness/machine.hpp).
+using harness::capture;
+using harness::cpu_model;
+using harness::git_commit;
+using harness::hardware_threads;
+using harness::load_average;
+using harness::now_utc;
+using harness::shell_quote;
+using harness::trim;
 
 /// On a terminal one line redrawn in place; with --progress and stderr not a terminal, one line per
 /// step; otherwise nothing. The other messages on stderr go through log() so the line stays last.
@@ -182,51 +186,9 @@ struct row {
 double flops_factor();
 double attention_flops(long long B, long long H, long long L, long long d);
 
-/// One [B, L, H, d] tensor of standard normal values in the benchmark's input type.
-struct input_tensor {
-  dtype type = dtype::f32;
-  std::vector<float> f32;
-  std::vector<half> f16;
-  std::vector<bfloat16> b16;
-
-  void fill(std::size_t n, dtype t, std::mt19937_64& rng) {
-    type = t;
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    f32.resize(n);
-    for (auto& x : f32) x = normal(rng);
-    if (t == dtype::f16) {
-      f16.resize(n);
-      for (std::size_t i = 0; i < n; ++i) f16[i] = half{float_to_f16(f32[i])};
-      std::vector<float>().swap(f32);
-    } else if (t == dtype::bf16) {
-      b16.resize(n);
-      for (std::size_t i = 0; i < n; ++i) b16[i] = bfloat16{float_to_bf16(f32[i])};
-      std::vector<float>().swap(f32);
-    }
-  }
-  /// The stored (rounded) value of element i, exactly.
-  double at(std::size_t i) const {
-    switch (type) {
-      case dtype::f16:
-        return static_cast<double>(f16_to_float(f16[i].bits));
-      case dtype::bf16:
-        return static_cast<double>(bf16_to_float(b16[i].bits));
-      default:
-        return static_cast<double>(f32[i]);
-    }
-  }
-  tensor_view view(std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t d) {
-    switch (type) {
-      case dtype::f16:
-        return make_view(f16.data(), {B, L, H, d});
-      case dtype::bf16:
-        return make_view(b16.data(), {B, L, H, d});
-      default:
-        return make_view(f32.data(), {B, L, H, d});
-    }
-  }
-  std::size_t bytes() const { return f32.size() * 4 + f16.size() * 2 + b16.size() * 2; }
-};
+/// One [B, L, H, d] tensor of standard normal values in the benchmark's input type (the harness's,
+/// shared with the micro-benchmarks).
+using harness::input_tensor;
 
 dtype parse_dtype(const std::string& s);
 cpu_algorithm parse_cpu_algorithm_arg(const std::string& s);

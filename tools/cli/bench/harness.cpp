@@ -1,7 +1,7 @@
-// The harness of `dfss bench`: the options' storage, small utilities (shell, strings, files), the
-// machine description (CPU model, load average, date, commit), timing and statistics (median, the
-// iteration budget), the progress line, and the inputs.
-#include <omp.h>
+// The harness of `dfss bench`: the options' storage, small utilities (files, the torch venv), timing
+// and statistics (median, the iteration budget) and the progress line. The machine description
+// (CPU model, load average, date, commit) and the inputs are the benchmarks' shared harness
+// (bench/harness/).
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,10 +14,6 @@
 #include "cli/bench/bench.hpp"
 
 namespace dfss::cli::bench {
-
-#ifndef DFSS_BENCH_SOURCE_DIR
-#define DFSS_BENCH_SOURCE_DIR ""
-#endif
 
 bench_options g_opt;
 CLI::Option* g_lengths_option = nullptr;  // to tell a given --lengths from the default
@@ -48,41 +44,6 @@ std::string dtype_label(const std::string& dfss_name) {
   return "fp32";
 }
 
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) {
-    if (c == '\'') {
-      out += "'\\''";
-    } else {
-      out += c;
-    }
-  }
-  return out + "'";
-}
-
-/// Runs a shell command and returns its standard output (standard error is not captured).
-std::string capture(const std::string& command, int* exit_status) {
-  std::string out;
-  FILE* p = popen(command.c_str(), "r");
-  if (p == nullptr) {
-    if (exit_status) *exit_status = -1;
-    return out;
-  }
-  char buf[4096];
-  std::size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
-  const int rc = pclose(p);
-  if (exit_status) *exit_status = rc;
-  return out;
-}
-
-std::string trim(std::string s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
-  std::size_t i = 0;
-  while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
-  return s.substr(i);
-}
-
 std::string self_exe() {
   char buf[4096];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
@@ -91,60 +52,6 @@ std::string self_exe() {
 }
 
 bool file_exists(const std::string& path) { return !path.empty() && access(path.c_str(), R_OK) == 0; }
-
-/// "AMD EPYC (family 25 model 17)": the model name of /proc/cpuinfo, with the family and model
-/// numbers, which tell apart CPUs that a VM names alike (Zen 3 is family 25 model 1, Zen 4 model 17).
-std::string cpu_model() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line, name, family, model;
-  auto value = [&line] {
-    const auto colon = line.find(':');
-    return colon == std::string::npos ? std::string{} : trim(line.substr(colon + 1));
-  };
-  while (std::getline(f, line) && line != "") {
-    if (line.rfind("model name", 0) == 0) {
-      name = value();
-    } else if (line.rfind("cpu family", 0) == 0) {
-      family = value();
-    } else if (line.rfind("model", 0) == 0 && line.find(':') != std::string::npos &&
-               trim(line.substr(0, line.find(':'))) == "model") {
-      model = value();
-    }
-  }
-  if (name.empty()) name = "unknown";
-  if (!family.empty() && !model.empty()) name += " (family " + family + " model " + model + ")";
-  return name;
-}
-
-/// The 1-minute load average (other processes competing for the cores make every number noisier).
-std::string load_average() {
-  std::ifstream f("/proc/loadavg");
-  std::string one;
-  f >> one;
-  return one.empty() ? "unknown" : one;
-}
-
-std::string now_utc() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[64];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
-  return buf;
-}
-
-/// "abc1234" (+ " (uncommitted changes)") of the source tree this binary was built from, or "".
-std::string git_commit() {
-  const std::string dir = DFSS_BENCH_SOURCE_DIR;
-  if (dir.empty()) return {};
-  const std::string q = shell_quote(dir);
-  std::string head = trim(capture("git -C " + q + " rev-parse --short HEAD 2>/dev/null"));
-  if (head.empty()) return {};
-  if (!trim(capture("git -C " + q + " status --porcelain --untracked-files=no 2>/dev/null")).empty()) {
-    head += " (uncommitted changes)";
-  }
-  return head;
-}
 
 progress_line g_progress;
 int g_rows_done = 0;  // rows measured so far (dfss configurations, torch runs)

@@ -1,6 +1,4 @@
 // The output of `dfss bench`: the repro command, the table, its notes, and the --json file.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -89,7 +87,7 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
   j["commit"] = commit;
   j["command"] = repro_command();
   j["machine"] = {{"cpu", m.cpu},
-                  {"hardware_threads", omp_get_num_procs()},
+                  {"hardware_threads", hardware_threads()},
                   {"cpu_features", info.cpu_features},
                   {"compiler", info.compiler},
                   {"kernel", m.kernel},

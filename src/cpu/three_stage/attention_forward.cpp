@@ -4,7 +4,7 @@
 // whose epilogue prunes every aligned group of M scores to its N largest and writes the scores in
 // a compressed form; (b) a softmax over the compressed rows; (c) the product of the compressed
 // probabilities with the dense V (an SpMM whose sparse operand is P). This file runs the same three
-// stages per (batch, head, query tile), one tile per task, tasks spread over OpenMP threads.
+// stages per (batch, head, query tile), one tile per task, tasks spread over cpu::parallel_for.
 // Stage (a) packs the query tile and, per block of keys, K transposed to [d][block] in fp32, so the
 // inner loop of Q K^T runs over contiguous keys; the epilogue adds the bias, applies the key-length
 // and bottom-right causal masks (a masked score is -inf), selects with the one selection rule of
@@ -20,7 +20,7 @@
 // log-sum-exp scale m + log(sum), so that huge scores keep accurate weights and scale * s beyond
 // float max (an exported value of +-inf) still gives the reference's output (docs/semantics.md,
 // "Non-finite and extreme inputs"); stage (c) accumulates P * V[index] over the kept slots in fp32,
-// reading V in packed blocks of keys. The compressed tile lives in per-thread scratch
+// reading V in packed blocks of keys. The compressed tile lives in per-worker scratch
 // (O(threads x tile x G x N) memory, never an L x L buffer); when the caller asked for the compressed
 // outputs the scratch is copied there right after stage (a), so the exported values are fp32
 // scale * s of exactly the scores stage (b) consumes. Conventions follow the scalar fused kernel: a
@@ -29,16 +29,16 @@
 // only the rows that keep its key).
 // Every row is computed in a fixed order independent of the task schedule, so results are bitwise
 // identical for any thread count.
-#include <omp.h>
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <new>
+#include <stdexcept>
 #include <vector>
 
 #include "core/element_access.hpp"
-#include "cpu/fused_forward.hpp"
+#include "cpu/three_stage/attention.hpp"
+#include "cpu/parallel.hpp"
 #include "dfss/format/nm_meta.hpp"
 #include "dfss/format/nm_select.hpp"
 #include "dfss/numeric.hpp"
@@ -70,7 +70,7 @@ struct plan {
   float scale = 0.0f;
 };
 
-/// Per-thread scratch for one query tile.
+/// Views of one worker's scratch for one query tile.
 struct scratch {
   float* q;       ///< [tile][d] the query tile
   float* kt;      ///< [d][block] K block, transposed
@@ -83,6 +83,14 @@ struct scratch {
   float* vb;      ///< [block][d] V block
   float* acc;     ///< [tile][d] fp32 output accumulators
   unsigned char* state;  ///< [tile] row state after stage (b)
+};
+
+/// The buffers behind a worker's scratch (cpu::worker_scratch: kept between calls).
+struct scratch_buffers {
+  std::vector<float> f;
+  std::vector<std::int32_t> i;
+  std::vector<std::uint16_t> s;
+  std::vector<unsigned char> c;
 };
 
 enum row_state : unsigned char { row_normal = 0, row_empty = 1, row_nan = 2 };
@@ -112,12 +120,11 @@ void stage_qk_select(const attention_params& p, const plan& pl, const scratch& s
   if (pl.meta) {
     for (i64 x = 0; x < rows * pl.words; ++x) sc.meta[x] = 0;
   }
-  const i64 len = core::valid_keys(p, b);
-  const i64 tile_last = core::causal_last_key(p, i0 + rows - 1);  // the tile's last row sees most
+  const i64 tile_end = core::visible_end(p, b, i0 + rows - 1);  // the tile's last row sees most
   for (i64 j0 = 0; j0 < pl.Lk; j0 += KB) {
     const i64 width = pl.Lk - j0 < KB ? pl.Lk - j0 : KB;
     // A block masked for every row of the tile needs no product: its scores are all -inf.
-    const bool visible = j0 < len && j0 <= tile_last;
+    const bool visible = j0 < tile_end;
     if (visible) {
       for (i64 t = 0; t < width; ++t)
         for (i64 c = 0; c < d; ++c) sc.kt[c * KB + t] = load<T>(p.k, core::offset4(p.k_stride, b, j0 + t, hk, c));
@@ -135,11 +142,11 @@ void stage_qk_select(const attention_params& p, const plan& pl, const scratch& s
     // Epilogue: bias, masks, selection, compressed row (and metadata).
     for (i64 r = 0; r < rows; ++r) {
       const i64 i = i0 + r;
-      const i64 last = core::causal_last_key(p, i);
+      const i64 end = core::visible_end(p, b, i);
       float* srow = sc.s + r * KB;
       for (i64 t = 0; t < width; ++t) {
         const i64 j = j0 + t;
-        if (!visible || j >= len || j > last) {
+        if (!visible || j >= end) {
           srow[t] = kNegInf;
         } else if (p.bias != nullptr) {
           srow[t] += static_cast<float>(core::load_as_double(
@@ -310,35 +317,27 @@ status run(const attention_params& p) noexcept {
     return {status_code::internal, "dfss cpu three-stage forward: metadata requested for a pattern other than 1:2 or 2:4"};
   }
 
-  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
   const i64 tiles_q = (pl.Lq + kQueryTile - 1) / kQueryTile;
   const i64 tasks = p.batch * p.heads * tiles_q;
   const i64 group = p.heads / p.heads_kv;
 
-  // Per-thread scratch, allocated up front so that a failed allocation becomes a status.
+  // Per-worker scratch, sized before the worker's first task so that a failed allocation becomes a
+  // status.
   const i64 TQ = kQueryTile, d = pl.d, KB = pl.block;
   const i64 floats = TQ * d + d * KB + TQ * KB + 3 * TQ * pl.slots + KB * d + TQ * d;
   const i64 ints = TQ * pl.slots;
   const i64 shorts = pl.meta ? TQ * pl.words : 0;
-  std::vector<float> fbuf;
-  std::vector<std::int32_t> ibuf;
-  std::vector<std::uint16_t> sbuf;
-  std::vector<unsigned char> cbuf;
-  try {
-    const auto nt = static_cast<std::size_t>(threads);
-    fbuf.resize(nt * static_cast<std::size_t>(floats));
-    ibuf.resize(nt * static_cast<std::size_t>(ints));
-    sbuf.resize(nt * static_cast<std::size_t>(shorts));
-    cbuf.resize(nt * static_cast<std::size_t>(TQ));
-  } catch (const std::bad_alloc&) {
-    return {status_code::unsupported, "dfss cpu three-stage forward: could not allocate the per-thread scratch"};
-  }
-
-#pragma omp parallel num_threads(threads)
-  {
-    const i64 tid = omp_get_thread_num();
+  const auto prepare = [&] {
+    scratch_buffers& buf = worker_scratch<scratch_buffers>();
+    buf.f.resize(static_cast<std::size_t>(floats));
+    buf.i.resize(static_cast<std::size_t>(ints));
+    buf.s.resize(static_cast<std::size_t>(shorts));
+    buf.c.resize(static_cast<std::size_t>(TQ));
+  };
+  const auto run_tile = [&](i64 task) {
+    scratch_buffers& buf = worker_scratch<scratch_buffers>();
     scratch sc{};
-    float* f = fbuf.data() + tid * floats;
+    float* f = buf.f.data();
     sc.q = f, f += TQ * d;
     sc.kt = f, f += d * KB;
     sc.s = f, f += TQ * KB;
@@ -347,22 +346,26 @@ status run(const attention_params& p) noexcept {
     sc.prob = f, f += TQ * pl.slots;
     sc.vb = f, f += KB * d;
     sc.acc = f;
-    sc.idx = ibuf.data() + tid * ints;
-    sc.meta = sbuf.data() + tid * shorts;
-    sc.state = cbuf.data() + tid * TQ;
-#pragma omp for schedule(dynamic, 1)
-    for (i64 task = 0; task < tasks; ++task) {
-      const i64 qt = task % tiles_q;
-      const i64 h = (task / tiles_q) % p.heads;
-      const i64 b = task / (tiles_q * p.heads);
-      const i64 hk = h / group;
-      const i64 i0 = qt * TQ;
-      const i64 rows = pl.Lq - i0 < TQ ? pl.Lq - i0 : TQ;
-      stage_qk_select<T>(p, pl, sc, b, h, hk, i0, rows);
-      export_compressed(p, pl, sc, b, h, i0, rows);
-      stage_softmax(p, pl, sc, b, h, i0, rows);
-      stage_pv<T>(p, pl, sc, b, h, hk, i0, rows);
-    }
+    sc.idx = buf.i.data();
+    sc.meta = buf.s.data();
+    sc.state = buf.c.data();
+    const i64 qt = task % tiles_q;
+    const i64 h = (task / tiles_q) % p.heads;
+    const i64 b = task / (tiles_q * p.heads);
+    const i64 hk = h / group;
+    const i64 i0 = qt * TQ;
+    const i64 rows = pl.Lq - i0 < TQ ? pl.Lq - i0 : TQ;
+    stage_qk_select<T>(p, pl, sc, b, h, hk, i0, rows);
+    export_compressed(p, pl, sc, b, h, i0, rows);
+    stage_softmax(p, pl, sc, b, h, i0, rows);
+    stage_pv<T>(p, pl, sc, b, h, hk, i0, rows);
+  };
+  try {
+    parallel_for(tasks, p.num_threads, schedule::dynamic, prepare, run_tile);
+  } catch (const std::bad_alloc&) {
+    return {status_code::unsupported, "dfss cpu three-stage forward: could not allocate the per-thread scratch"};
+  } catch (const std::length_error&) {
+    return {status_code::unsupported, "dfss cpu three-stage forward: could not allocate the per-thread scratch"};
   }
   return status::success();
 }

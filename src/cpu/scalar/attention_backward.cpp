@@ -1,22 +1,13 @@
-// Generic scalar fused DFSS forward and backward: the portable twins that every SIMD kernel is
-// checked against.
+// Generic scalar fused DFSS backward: the portable twin of the SIMD backwards.
 //
-// Forward, per query row: walk the keys in tiles whose width is a multiple of M; compute the tile's
-// scores in fp32, apply bias and masks, select N of every M (dfss/format/nm_select.hpp, the one
-// selection rule), then update the online softmax with the kept scores only. Because the maximum of
-// each group is always kept, the running maximum equals the row maximum of the unpruned scores.
-//
-// Backward, per (batch, kv head): for every query row of the heads sharing that kv head, the same
-// tiles go through the same score function (scalar_tile_scores, never inlined, so forward and
-// backward run one machine-code instance of it and keep exactly the same keys); then per kept key
+// Per (batch, kv head): for every query row of the heads sharing that kv head, the forward's key
+// tiles go through the forward's score function (scalar::tile_scores, one compiled instance for
+// both directions, so the backward keeps exactly the forward's keys); then per kept key
 // P = exp(scale s - LSE) from the forward's LSE (or, for |LSE| > kDirectLseLimit, from the row's
-// own maximum and sum), dS = P (dO . v_j - rowsum(dO O)), and dQ, dK, dV,
-// dBias accumulate in a fixed order (heads, rows, keys), bitwise identical for any thread count.
-// A dBias with broadcast dimensions gets a second pass over its rows (scalar_dbias_task).
-#include <omp.h>
-
+// own maximum and sum), dS = P (dO . v_j - rowsum(dO O)), and dQ, dK, dV, dBias accumulate in a
+// fixed order (heads, rows, keys), bitwise identical for any thread count. A dBias with broadcast
+// dimensions gets a second pass over its rows (scalar_dbias_task).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -25,123 +16,16 @@
 
 #include "core/element_access.hpp"
 #include "cpu/fused_common.hpp"
-#include "cpu/fused_forward.hpp"
-#include "dfss/format/nm_select.hpp"
+#include "cpu/parallel.hpp"
+#include "cpu/scalar/attention.hpp"
+#include "cpu/scalar/tile_scores.hpp"
 #include "dfss/numeric.hpp"
 
 namespace dfss::cpu {
 namespace {
 
-/// Key tile width before rounding up to a multiple of M: 64 keys of fp32 scores fit in a few cache
-/// lines, and the tile only bounds scratch here (the scalar kernel has no register blocking).
-constexpr std::int64_t kKeyTile = 64;
-
-template <typename T>
-float load(const void* base, std::int64_t off) {
-  return to_float(static_cast<const T*>(base)[off]);
-}
-
-/// The scalar kernels' one score computation, shared by the forward and the backward so that both
-/// keep exactly the same keys. Fills s[0 .. width) with the fp32 scores of keys j0 .. j0 + width - 1
-/// for query row (b, h, i) whose fp32 query is @p q: q . k_j summed in increasing c, plus the bias,
-/// -inf for keys masked by key padding (j >= len) or causality (j > last); then, in every aligned
-/// group of M keys (j0 is a multiple of M), the keys not kept set to -inf. Returns whether a kept
-/// score is NaN. Never inlined: both directions run the same machine code, whatever contraction or
-/// vectorisation the compiler chose for it.
-template <typename T>
-[[gnu::noinline]] bool scalar_tile_scores(const attention_params& p, const float* q, std::int64_t b, std::int64_t h,
-                                          std::int64_t i, std::int64_t j0, std::int64_t width, std::int64_t len,
-                                          std::int64_t last, float* s) {
-  const std::int64_t d = p.head_dim;
-  const std::int64_t hk = h / (p.heads / p.heads_kv);
-  const int n = p.pattern_n, m = p.pattern_m;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (std::int64_t t = 0; t < width; ++t) {
-    const std::int64_t j = j0 + t;
-    float dot = 0.0f;
-    for (std::int64_t c = 0; c < d; ++c) dot += q[c] * load<T>(p.k, core::offset4(p.k_stride, b, j, hk, c));
-    if (p.bias != nullptr) {
-      dot += static_cast<float>(core::load_as_double(
-          p.bias, p.bias_type, b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] + j * p.bias_stride[3]));
-    }
-    s[t] = (j >= len || j > last) ? neg_inf : dot;
-  }
-  bool nan_seen = false;
-  for (std::int64_t g = 0; g < width; g += m) {
-    const int count = static_cast<int>(width - g < m ? width - g : m);
-    const std::uint32_t keep = nm_select_group<float>(s + g, count, n, m);
-    for (int t = 0; t < count; ++t) {
-      if (!((keep >> t) & 1u)) s[g + t] = neg_inf;
-      else if (std::isnan(s[g + t])) nan_seen = true;
-    }
-  }
-  return nan_seen;
-}
-
-template <typename T>
-void fused_rows(const attention_params& p) {
-  const std::int64_t d = p.head_dim, L = p.seqlen_k;
-  const int m = p.pattern_m;
-  const std::int64_t tile = (kKeyTile + m - 1) / m * m;
-  const std::int64_t group = p.heads / p.heads_kv;
-  const std::int64_t rows = p.batch * p.heads * p.seqlen_q;
-  const float scale = static_cast<float>(p.scale);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
-
-#pragma omp parallel num_threads(threads)
-  {
-    float q[512], acc[512], s[kKeyTile + 16];
-#pragma omp for schedule(static)
-    for (std::int64_t row = 0; row < rows; ++row) {
-      const std::int64_t i = row % p.seqlen_q;
-      const std::int64_t h = (row / p.seqlen_q) % p.heads;
-      const std::int64_t b = row / (p.seqlen_q * p.heads);
-      const std::int64_t hk = h / group;
-      for (std::int64_t c = 0; c < d; ++c) {
-        q[c] = load<T>(p.q, core::offset4(p.q_stride, b, i, h, c));
-        acc[c] = 0.0f;
-      }
-      const std::int64_t len = core::valid_keys(p, b);
-      const std::int64_t last = core::causal_last_key(p, i);
-      float mx = neg_inf, sum = 0.0f;
-      bool nan_seen = false;
-      for (std::int64_t j0 = 0; j0 < L; j0 += tile) {
-        const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-        nan_seen |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
-        // Online softmax over the kept scores of this tile.
-        float tile_max = neg_inf;
-        for (std::int64_t t = 0; t < width; ++t) tile_max = s[t] > tile_max ? s[t] : tile_max;
-        if (tile_max == neg_inf) continue;
-        if (tile_max > mx) {
-          const float correction = mx == neg_inf ? 0.0f : std::exp(scale * (mx - tile_max));
-          sum *= correction;
-          for (std::int64_t c = 0; c < d; ++c) acc[c] *= correction;
-          mx = tile_max;
-        }
-        for (std::int64_t t = 0; t < width; ++t) {
-          if (s[t] == neg_inf) continue;
-          const float e = std::exp(scale * (s[t] - mx));
-          sum += e;
-          const std::int64_t j = j0 + t;
-          for (std::int64_t c = 0; c < d; ++c) acc[c] += e * load<T>(p.v, core::offset4(p.v_stride, b, j, hk, c));
-        }
-      }
-      const float nan = std::numeric_limits<float>::quiet_NaN();
-      const bool empty = mx == neg_inf && !nan_seen;
-      const float inv = empty ? 0.0f : 1.0f / sum;
-      for (std::int64_t c = 0; c < d; ++c) {
-        const float o = nan_seen ? nan : acc[c] * inv;
-        core::store_from_double(p.o, p.output_type, core::offset4(p.o_stride, b, i, h, c), static_cast<double>(o));
-      }
-      if (p.lse != nullptr) {
-        const float lse = nan_seen ? nan : (empty ? neg_inf : scale * mx + std::log(sum));
-        core::store_from_double(p.lse, p.lse_type, b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2],
-                                static_cast<double>(lse));
-      }
-    }
-  }
-}
+using scalar::kKeyTile;
+using scalar::load;
 
 /// Whether dbias is summed over a broadcast batch or head dimension (then it is written by its own
 /// pass, scalar_backward_dbias, instead of by the (batch, kv head) tasks).
@@ -165,7 +49,7 @@ void scalar_row_inputs(const attention_params& p, std::int64_t b, std::int64_t h
 }
 
 /// One query row of the backward: recomputes the row's scores and selection with the forward's
-/// scalar_tile_scores, then calls visit(j, P_j, scale dS_j) for every kept key j with P_j != 0 in
+/// scalar::tile_scores, then calls visit(j, P_j, scale dS_j) for every kept key j with P_j != 0 in
 /// increasing j, dS = P (dO . v_j - D); @p v_row(j) gives v_j in fp32. P = exp(scale s - LSE) from
 /// the forward's LSE while |LSE| <= kDirectLseLimit; otherwise (large or overflowed scores,
 /// docs/semantics.md "Non-finite and extreme inputs") a first pass finds the row's maximum m and
@@ -183,15 +67,13 @@ bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t
   const float inf = std::numeric_limits<float>::infinity();
   float s[kKeyTile + 16];
   bool row_nan = lse != lse;
-  const std::int64_t last = core::causal_last_key(p, i);
-  const std::int64_t len = core::valid_keys(p, b);
-  const std::int64_t lim = std::min(len, last + 1);
+  const std::int64_t lim = core::visible_end(p, b, i);
   float shift = 0.0f, offset = lse;  // P = exp(scale (s - shift) - offset)
   if (!row_nan && !(std::abs(lse) <= fused::kDirectLseLimit)) {
     float mx = neg_inf, sum = 0.0f;
     for (std::int64_t j0 = 0; j0 < lim; j0 += tile) {
       const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-      row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
+      row_nan |= scalar::tile_scores<T>(p, q, b, h, i, j0, width, lim, s);
       for (std::int64_t x = 0; x < width; ++x) {
         if (s[x] == neg_inf) continue;
         row_nan |= s[x] == inf;
@@ -211,7 +93,7 @@ bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t
   }
   for (std::int64_t j0 = 0; j0 < (offset == neg_inf ? 0 : lim); j0 += tile) {
     const std::int64_t width = L - j0 < tile ? L - j0 : tile;
-    row_nan |= scalar_tile_scores<T>(p, q, b, h, i, j0, width, len, last, s);
+    row_nan |= scalar::tile_scores<T>(p, q, b, h, i, j0, width, lim, s);
     for (std::int64_t x = 0; x < width; ++x) {
       if (s[x] == neg_inf) continue;  // pruned or masked: never contributes
       const float pj = row_nan ? std::numeric_limits<float>::quiet_NaN() : std::exp(scale * (s[x] - shift) - offset);
@@ -226,8 +108,8 @@ bool scalar_backward_row(const attention_params& p, std::int64_t b, std::int64_t
   return row_nan;
 }
 
-/// Per-thread scratch of the scalar backward: the fp32 K and V rows of one (batch, kv head) and
-/// their gradient accumulators, [seqlen_k][head_dim] each.
+/// Per-worker scratch of the scalar backward (cpu::worker_scratch, kept between calls): the fp32 K
+/// and V rows of one (batch, kv head) and their gradient accumulators, [seqlen_k][head_dim] each.
 struct scalar_backward_scratch {
   std::vector<float> k, v, dk, dv;
 };
@@ -327,65 +209,34 @@ void scalar_dbias_task(const attention_params& p, std::vector<float>& acc, std::
   }
 }
 
+/// Per-worker scratch of the broadcast dBias pass: one row of sums.
+struct scalar_dbias_scratch {
+  std::vector<float> acc;
+};
+
 /// Parallel over (batch, kv head): each task owns its dK, dV rows and its heads' dQ (and dBias)
 /// rows, so no two threads write the same element and the summation order is fixed. A dbias with
 /// broadcast dimensions then gets its own pass, parallel over its rows, each summed by one thread
-/// in a fixed order. False when an allocation failed (exceptions must not leave the parallel
-/// regions).
+/// in a fixed order. False when an allocation failed.
 template <typename T>
 bool scalar_backward(const attention_params& p) {
-  const int threads = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
-  std::atomic<bool> out_of_memory{false};
-  const std::int64_t tasks = p.batch * p.heads_kv;
-#pragma omp parallel num_threads(threads)
-  {
-    scalar_backward_scratch ws;
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < tasks; ++t) {
-      if (out_of_memory) continue;
-      try {
-        scalar_backward_task<T>(p, ws, t);
-      } catch (const std::bad_alloc&) {
-        out_of_memory = true;
-      }
-    }
+  try {
+    parallel_for(p.batch * p.heads_kv, p.num_threads, schedule::contiguous, [] {}, [&](std::int64_t t) {
+      scalar_backward_task<T>(p, worker_scratch<scalar_backward_scratch>(), t);
+    });
+    if (!dbias_broadcast(p)) return true;
+    const std::int64_t rows =
+        (p.dbias_stride[0] == 0 ? 1 : p.batch) * (p.dbias_stride[1] == 0 ? 1 : p.heads) * p.seqlen_q;
+    parallel_for(rows, p.num_threads, schedule::contiguous, [] {}, [&](std::int64_t t) {
+      scalar_dbias_task<T>(p, worker_scratch<scalar_dbias_scratch>().acc, t);
+    });
+  } catch (const std::bad_alloc&) {
+    return false;
   }
-  if (out_of_memory || !dbias_broadcast(p)) return !out_of_memory;
-  const std::int64_t rows =
-      (p.dbias_stride[0] == 0 ? 1 : p.batch) * (p.dbias_stride[1] == 0 ? 1 : p.heads) * p.seqlen_q;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> acc;
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < rows; ++t) {
-      if (out_of_memory) continue;
-      try {
-        scalar_dbias_task<T>(p, acc, t);
-      } catch (const std::bad_alloc&) {
-        out_of_memory = true;
-      }
-    }
-  }
-  return !out_of_memory;
+  return true;
 }
 
 }  // namespace
-
-status fused_forward_scalar(const attention_params& p) noexcept {
-  if (p.head_dim > 512) {
-    return {status_code::unsupported, "dfss cpu fused forward: head_dim above 512"};
-  }
-  switch (p.input_type) {
-    case dtype::f32: fused_rows<float>(p); break;
-    case dtype::f16: fused_rows<half>(p); break;
-    case dtype::bf16: fused_rows<bfloat16>(p); break;
-    default:
-      return {status_code::unsupported,
-              std::string("dfss cpu fused forward: input type ") + dtype_name(p.input_type) +
-                  " (the cpu backend takes f32, f16 and bf16; use the reference backend for f64)"};
-  }
-  return status::success();
-}
 
 status fused_backward_scalar(const attention_params& p) noexcept {
   if (p.head_dim > 512) {

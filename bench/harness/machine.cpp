@@ -1,0 +1,103 @@
+// The machine description of the benchmarks (see machine.hpp).
+#include "harness/machine.hpp"
+
+#include <omp.h>
+
+#include <cctype>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+
+namespace dfss::harness {
+
+#ifndef DFSS_BENCH_SOURCE_DIR
+#define DFSS_BENCH_SOURCE_DIR ""
+#endif
+
+std::string trim(std::string s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  std::size_t i = 0;
+  while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
+  return s.substr(i);
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'') {
+      out += "'\\''";
+    } else {
+      out += c;
+    }
+  }
+  return out + "'";
+}
+
+std::string capture(const std::string& command, int* exit_status) {
+  std::string out;
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) {
+    if (exit_status) *exit_status = -1;
+    return out;
+  }
+  char buf[4096];
+  std::size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, got);
+  const int rc = pclose(p);
+  if (exit_status) *exit_status = rc;
+  return out;
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line, name, family, model;
+  auto value = [&line] {
+    const auto colon = line.find(':');
+    return colon == std::string::npos ? std::string{} : trim(line.substr(colon + 1));
+  };
+  while (std::getline(f, line) && line != "") {
+    if (line.rfind("model name", 0) == 0) {
+      name = value();
+    } else if (line.rfind("cpu family", 0) == 0) {
+      family = value();
+    } else if (line.rfind("model", 0) == 0 && line.find(':') != std::string::npos &&
+               trim(line.substr(0, line.find(':'))) == "model") {
+      model = value();
+    }
+  }
+  if (name.empty()) name = "unknown";
+  if (!family.empty() && !model.empty()) name += " (family " + family + " model " + model + ")";
+  return name;
+}
+
+int hardware_threads() { return omp_get_num_procs(); }
+
+std::string load_average() {
+  std::ifstream f("/proc/loadavg");
+  std::string one;
+  f >> one;
+  return one.empty() ? "unknown" : one;
+}
+
+std::string now_utc() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+std::string git_commit() {
+  const std::string dir = DFSS_BENCH_SOURCE_DIR;
+  if (dir.empty()) return {};
+  const std::string q = shell_quote(dir);
+  std::string head = trim(capture("git -C " + q + " rev-parse --short HEAD 2>/dev/null"));
+  if (head.empty()) return {};
+  if (!trim(capture("git -C " + q + " status --porcelain --untracked-files=no 2>/dev/null")).empty()) {
+    head += " (uncommitted changes)";
+  }
+  return head;
+}
+
+}  // namespace dfss::harness

@@ -205,8 +205,14 @@ inline bool cpu_has(std::initializer_list<const char*> names) {
   return true;
 }
 
-/// The CPU backend's AVX2 kernels (forward and backward) run on this machine.
-inline bool cpu_runs_avx2_kernels() { return cpu_has({"avx2", "fma", "f16c"}); }
+/// The CPU backend's AVX2 kernels (forward and backward) are in this build (GCC builds them, clang
+/// does not) and run on this machine for every input type (F16C too), as the kernel registry says.
+inline bool cpu_runs_avx2_kernels() {
+  for (const kernel_info& k : get_build_info().kernels) {
+    if (k.name == "cpu.fused_forward.avx2") return k.runs_here && cpu_has({"f16c"});
+  }
+  return false;
+}
 
 /// Score q_i . k_j (+ bias) of (batch b, head h) in fp64, before masks; packed [B, L, H, d] data.
 inline double score(const problem& pr, std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {

@@ -7,6 +7,7 @@
 #include "core/select.hpp"
 #include "core/validate.hpp"
 #include "cpu/fused_forward.hpp"
+#include "cpu/simd/targets.hpp"
 #if defined(DFSS_WITH_CUDA_BACKEND)
 #include "cuda/attention_cuda.hpp"
 #endif
@@ -25,13 +26,19 @@ status unsupported(const char* op, const kernel_selection& s) {
               s.reason};
 }
 
+/// The SIMD target the selector chose a cpu_fused_*_{avx2,portable,simd} kernel for.
+cpu::simd_target simd_target(const attention_config& config) {
+  return cpu::simd_target_of(config.cpu_isa).value_or(cpu::simd_target::sse4);
+}
+
 status run_forward(const attention_params& p, const kernel_selection& s, const attention_config& config) {
-  (void)config;  // read only by the CUDA backend (its stream)
   switch (s.kind) {
     case kernel_kind::reference_forward: return ref::reference_forward(p);
     case kernel_kind::cpu_fused_forward_scalar: return cpu::fused_forward_scalar(p);
-    case kernel_kind::cpu_fused_forward_avx2: return cpu::fused_forward_avx2(p);
-    case kernel_kind::cpu_fused_forward_portable: return cpu::fused_forward_portable(p);
+    case kernel_kind::cpu_fused_forward_avx2:
+    case kernel_kind::cpu_fused_forward_portable:
+    case kernel_kind::cpu_fused_forward_simd:
+      return cpu::fused_forward_simd(p, simd_target(config));
     case kernel_kind::cpu_three_stage_forward: return cpu::three_stage_forward(p);
 #if defined(DFSS_WITH_CUDA_BACKEND)
     case kernel_kind::cuda_three_stage_forward: return cuda::attention_forward(p, config.cuda_stream);
@@ -88,13 +95,12 @@ bool backward_without_work(const attention_params& p, const backward_args& a) {
   return true;
 }
 
-using cpu_kernel = status (*)(const attention_params&) noexcept;
-
 /// The CPU backward needs the forward's O and LSE; when the caller gave neither, they are computed
 /// here with the forward of the same instruction set (same scores, same selection) into
 /// temporaries. A caller that gives them must have produced them with that forward too, or a
 /// near-tie may be kept differently.
-status run_cpu_backward(const attention_params& p, cpu_kernel forward, cpu_kernel backward) {
+template <typename Forward, typename Backward>
+status run_cpu_backward(const attention_params& p, const Forward& forward, const Backward& backward) {
   if (p.o != nullptr && p.lse != nullptr) return backward(p);
   const std::int64_t B = p.batch, Lq = p.seqlen_q, H = p.heads, d = p.head_dim;
   std::vector<float> o(static_cast<std::size_t>(B * Lq * H * d)), lse(static_cast<std::size_t>(B * H * Lq));
@@ -120,15 +126,19 @@ status run_cpu_backward(const attention_params& p, cpu_kernel forward, cpu_kerne
   return backward(b);
 }
 
-status run_backward(const attention_params& p, const kernel_selection& s) {
+status run_backward(const attention_params& p, const kernel_selection& s, const attention_config& config) {
   switch (s.kind) {
     case kernel_kind::reference_backward: return ref::reference_backward(p);
     case kernel_kind::cpu_fused_backward_avx2:
-      return run_cpu_backward(p, cpu::fused_forward_avx2, cpu::fused_backward_avx2);
+    case kernel_kind::cpu_fused_backward_portable:
+    case kernel_kind::cpu_fused_backward_simd: {
+      const cpu::simd_target t = simd_target(config);
+      return run_cpu_backward(
+          p, [t](const attention_params& f) { return cpu::fused_forward_simd(f, t); },
+          [t](const attention_params& b) { return cpu::fused_backward_simd(b, t); });
+    }
     case kernel_kind::cpu_fused_backward_scalar:
       return run_cpu_backward(p, cpu::fused_forward_scalar, cpu::fused_backward_scalar);
-    case kernel_kind::cpu_fused_backward_portable:
-      return run_cpu_backward(p, cpu::fused_forward_portable, cpu::fused_backward_portable);
     default: break;
   }
   return {status_code::internal, std::string(kBackwardOp) + ": selector chose '" + s.name +
@@ -165,7 +175,7 @@ status try_attention_backward(const backward_args& args, const attention_config&
     const kernel_selection s = core::select(p, config, core::direction::backward);
     if (!s.supported()) return unsupported(kBackwardOp, s);
     if (backward_without_work(p, args)) return status::success();
-    return run_backward(p, s);
+    return run_backward(p, s, config);
   } catch (const std::exception& e) {
     return {status_code::internal, std::string(kBackwardOp) + ": " + e.what()};
   }

@@ -2,10 +2,12 @@
 // then the fp64 reference, which supports everything that passes validation.
 #include "core/select.hpp"
 
+#include <algorithm>
+#include <optional>
 #include <string>
 
 #include "core/device_memory.hpp"
-#include "cpu/isa.hpp"
+#include "cpu/simd/targets.hpp"
 #if defined(DFSS_WITH_CUDA_BACKEND)
 #include "cuda/attention_cuda.hpp"
 #endif
@@ -34,28 +36,40 @@ kernel_selection select_reference(direction dir) {
              : make(kernel_kind::reference_backward, backend::reference, "reference.backward");
 }
 
-/// The backward runs on the instruction set the forward would (its twin recomputes that forward's
-/// exact selection): generic -> scalar, portable -> portable, avx2 -> avx2 (when the CPU has it),
-/// automatic -> avx2 when the CPU has it, else portable. All three write dbias with broadcast
-/// dimensions.
-kernel_selection select_cpu_backward(const attention_params& p, const attention_config& c, bool avx2_ok) {
-  const auto avx2 = make(kernel_kind::cpu_fused_backward_avx2, backend::cpu, "cpu.fused_backward.avx2");
-  const auto portable = make(kernel_kind::cpu_fused_backward_portable, backend::cpu, "cpu.fused_backward.portable");
-  switch (c.cpu_isa) {
-    case cpu_isa::generic:
-      return make(kernel_kind::cpu_fused_backward_scalar, backend::cpu, "cpu.fused_backward.scalar");
-    case cpu_isa::portable:
-      return portable;
-    case cpu_isa::avx2:
-      if (!avx2_ok) {
-        return reject(backend::cpu, "cpu_isa avx2 was requested but this CPU lacks AVX2, FMA" +
-                                        std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
-      }
-      return avx2;
-    case cpu_isa::automatic:
-      return avx2_ok ? avx2 : portable;
+/// The CPU kernel for @p c.cpu_isa: generic -> the scalar twin; every other value -> the SIMD kernel
+/// family on the Highway target it names (cpu/simd/targets.hpp: portable is the baseline target,
+/// automatic the best this CPU runs). The names keep the values scripts know: avx2 and portable run
+/// as "cpu.fused_forward.avx2" / ".portable", any other target as ".<target>" (e.g. ".avx3"). The
+/// backward runs on the target the forward would (it recomputes that forward's exact selection).
+kernel_selection select_cpu_fused(const attention_params& p, const attention_config& c, direction dir) {
+  const bool fwd = dir == direction::forward;
+  if (c.cpu_isa == cpu_isa::generic) {
+    return fwd ? make(kernel_kind::cpu_fused_forward_scalar, backend::cpu, "cpu.fused_forward.scalar")
+               : make(kernel_kind::cpu_fused_backward_scalar, backend::cpu, "cpu.fused_backward.scalar");
   }
-  return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
+  const std::optional<cpu::simd_target> t = cpu::simd_target_of(c.cpu_isa);
+  if (!t) {
+    if (c.cpu_isa == cpu_isa::automatic) {
+      return fwd ? make(kernel_kind::cpu_fused_forward_scalar, backend::cpu, "cpu.fused_forward.scalar")
+                 : make(kernel_kind::cpu_fused_backward_scalar, backend::cpu, "cpu.fused_backward.scalar");
+    }
+    return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
+  }
+  if (!cpu::simd_target_supported(*t)) {
+    const auto compiled = cpu::compiled_simd_targets();
+    const bool built = std::find(compiled.begin(), compiled.end(), *t) != compiled.end();
+    return reject(backend::cpu, std::string("cpu_isa ") + cpu_isa_name(c.cpu_isa) + " (SIMD target " +
+                                    cpu::simd_target_name(*t) + ") was requested but " +
+                                    (built ? "this CPU lacks it" : "this build did not compile it"));
+  }
+  const std::string suffix = c.cpu_isa == cpu_isa::portable ? "portable" : cpu::simd_target_name(*t);
+  kernel_kind kind = fwd ? kernel_kind::cpu_fused_forward_simd : kernel_kind::cpu_fused_backward_simd;
+  if (suffix == "avx2") kind = fwd ? kernel_kind::cpu_fused_forward_avx2 : kernel_kind::cpu_fused_backward_avx2;
+  if (suffix == "portable") kind = fwd ? kernel_kind::cpu_fused_forward_portable : kernel_kind::cpu_fused_backward_portable;
+  kernel_selection s = make(kind, backend::cpu, "");
+  s.name = std::string(fwd ? "cpu.fused_forward." : "cpu.fused_backward.") + suffix;
+  (void)p;
+  return s;
 }
 
 kernel_selection select_cpu(const attention_params& p, const attention_config& c, direction dir) {
@@ -63,27 +77,10 @@ kernel_selection select_cpu(const attention_params& p, const attention_config& c
     return reject(backend::cpu,
                   "the cpu backend takes f32, f16 and bf16 inputs, got f64; use backend reference");
   }
-  const bool avx2_ok = cpu::cpu_supports_avx2() && (p.input_type != dtype::f16 || cpu::cpu_supports_f16c());
-  if (dir == direction::backward) return select_cpu_backward(p, c, avx2_ok);
-  if (c.cpu_algorithm == cpu_algorithm::three_stage) {
+  if (dir == direction::forward && c.cpu_algorithm == cpu_algorithm::three_stage) {
     return make(kernel_kind::cpu_three_stage_forward, backend::cpu, "cpu.three_stage_forward.generic");
   }
-  switch (c.cpu_isa) {
-    case cpu_isa::generic:
-      return make(kernel_kind::cpu_fused_forward_scalar, backend::cpu, "cpu.fused_forward.scalar");
-    case cpu_isa::avx2:
-      if (!avx2_ok) {
-        return reject(backend::cpu, "cpu_isa avx2 was requested but this CPU lacks AVX2, FMA" +
-                                        std::string(p.input_type == dtype::f16 ? " or F16C" : ""));
-      }
-      return make(kernel_kind::cpu_fused_forward_avx2, backend::cpu, "cpu.fused_forward.avx2");
-    case cpu_isa::portable:
-      return make(kernel_kind::cpu_fused_forward_portable, backend::cpu, "cpu.fused_forward.portable");
-    case cpu_isa::automatic:
-      return avx2_ok ? make(kernel_kind::cpu_fused_forward_avx2, backend::cpu, "cpu.fused_forward.avx2")
-                     : make(kernel_kind::cpu_fused_forward_portable, backend::cpu, "cpu.fused_forward.portable");
-  }
-  return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
+  return select_cpu_fused(p, c, dir);
 }
 
 kernel_selection select_cuda(const attention_params& p, direction dir) {

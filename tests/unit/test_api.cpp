@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/testing.hpp"
 #include "dfss/dfss.hpp"
 
 namespace dfss {
@@ -275,14 +276,15 @@ TEST(Api, SelectorAnswersSupportAndWhatRuns) {
   attention_config cfg;
   auto s = select_kernel(fx.f, cfg);
   EXPECT_TRUE(s.supported());
-  const auto feats = get_build_info().cpu_features;
-  const bool avx2 = std::find(feats.begin(), feats.end(), "avx2") != feats.end() &&
-                    std::find(feats.begin(), feats.end(), "fma") != feats.end();
-  EXPECT_EQ(s.name, avx2 ? "cpu.fused_forward.avx2" : "cpu.fused_forward.scalar");
+  // automatic: the best SIMD target this CPU runs (the first runnable one of the library's list),
+  // the scalar twin when there is none.
+  const auto runnable = testing::runnable_cpu_isas();
+  const cpu_isa best = runnable.size() > 2 ? runnable[2] : cpu_isa::generic;
+  EXPECT_EQ(s.name, testing::fused_kernel_name(best, true));
   cfg.cpu_isa = cpu_isa::generic;
   EXPECT_EQ(select_kernel(fx.f, cfg).name, "cpu.fused_forward.scalar");
   cfg.cpu_isa = cpu_isa::avx2;
-  EXPECT_EQ(select_kernel(fx.f, cfg).supported(), avx2);
+  EXPECT_EQ(select_kernel(fx.f, cfg).supported(), testing::cpu_isa_skip_reason(cpu_isa::avx2).empty());
   cfg.cpu_isa = cpu_isa::automatic;
   cfg.cpu_algorithm = cpu_algorithm::three_stage;
   EXPECT_EQ(select_kernel(fx.f, cfg).name, "cpu.three_stage_forward.generic");
@@ -296,10 +298,10 @@ TEST(Api, SelectorAnswersSupportAndWhatRuns) {
   expect_error([&] { attention_forward(fx.f, cfg); }, status_code::unsupported, {"backend 'cuda'", "CUDA"});
   const status st = try_attention_forward(fx.f, cfg);
   EXPECT_EQ(st.code, status_code::unsupported);
-  // Backward: the cpu kernel of the forward's ISA (AVX2 where available, else the portable twin),
-  // dbias broadcast over the batch included, on both the automatic and the cpu backend.
+  // Backward: the cpu kernel of the forward's ISA, dbias broadcast over the batch included, on both
+  // the automatic and the cpu backend.
   cfg.backend = backend::automatic;
-  const char* bw_kernel = avx2 ? "cpu.fused_backward.avx2" : "cpu.fused_backward.portable";
+  const std::string bw_kernel = testing::fused_kernel_name(best, false);
   EXPECT_EQ(select_kernel(fx.bw, cfg).name, bw_kernel);
   cfg.backend = backend::cpu;
   EXPECT_EQ(select_kernel(fx.bw, cfg).name, bw_kernel);

@@ -1,7 +1,8 @@
 // Cross-architecture check of the SIMD CPU kernels: built for AArch64 by
 // tools/scripts/check-aarch64.sh and run under qemu-user, it runs every check below on each SIMD
-// target of this build that the (emulated) CPU supports (NEON, SVE, SVE2; "portable" must name NEON
-// and "automatic" the best of them), comparing it with the fp64 reference backend on small-integer inputs,
+// target of this build that the (emulated) CPU supports (qemu's default CPU has NEON, SVE and
+// SVE2; "portable" must be selectable and "automatic" must pick the best target), comparing it with
+// the fp64 reference backend on small-integer inputs,
 // whose scores are exact, so selections must match and only the softmax carries rounding
 // (tolerance as in tests/unit/test_cpu.cpp); then the same for the backward pass, which must be the
 // portable backward twin (tolerance as in tests/unit/test_cpu_backward_twins.cpp), and a trip test
@@ -13,6 +14,7 @@
 #include <dfss/dfss.hpp>
 
 #include <cfloat>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -289,6 +291,7 @@ void check_extreme(std::mt19937& rng) {
   }
 }
 
+/// Every check on the target g_isa names.
 void check_target() {
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> small(-3, 3);
@@ -360,8 +363,11 @@ int main() {
     if (best.empty()) best = std::string("cpu.fused_forward.") + dfss::cpu_isa_name(t.isa);
     g_isa = t.isa;
     const int before = failed;
+    const auto start = std::chrono::steady_clock::now();
     check_target();
-    std::printf("target %s: %d failed\n", dfss::cpu_isa_name(t.isa), failed - before);
+    std::printf("target %s: %d failed (%.0f s)\n", dfss::cpu_isa_name(t.isa), failed - before,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    std::fflush(stdout);
   }
   cfg.cpu_isa = dfss::cpu_isa::automatic;
   check(!best.empty() && dfss::select_kernel(a, cfg).name == best, "automatic selects the best target", 1, 1, 4, "-");

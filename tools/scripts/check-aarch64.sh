@@ -18,8 +18,9 @@ arm_lib=/usr/lib/aarch64-linux-gnu
 sysroot=/usr/aarch64-linux-gnu
 [ -e "$arm_lib/libhwy.so" ] || { echo "SKIP: $arm_lib/libhwy.so missing (dpkg --add-architecture arm64; apt-get install libhwy-dev:arm64)"; exit 77; }
 [ -e /usr/include/hwy/highway.h ] || { echo "SKIP: Highway headers missing (Debian libhwy-dev)"; exit 77; }
-mkdir -p "$out/include"
+mkdir -p "$out/include" "$out/hwylib"
 ln -sfn /usr/include/hwy "$out/include/hwy"  # only Highway's headers, not the host's /usr/include
+ln -sfn "$arm_lib/libhwy.so.1" "$out/hwylib/libhwy.so.1"  # only Highway's library (see below)
 sources=(src/core/types.cpp src/core/validate.cpp src/core/select.cpp src/core/api.cpp src/core/build_info.cpp
          src/core/cpu_features.cpp src/core/device_memory.cpp src/ref/reference_forward.cpp src/ref/reference_backward.cpp
          src/cpu/fused_forward_scalar.cpp src/cpu/simd/targets.cpp src/cpu/simd/attention_forward.cpp
@@ -39,6 +40,8 @@ for s in "${sources[@]}"; do
 done
 for p in "${pids[@]}"; do wait "$p"; done  # each wait fails (and set -e stops) if that compile failed
 "$cxx" -fopenmp "${objs[@]}" -L"$arm_lib" -lhwy -Wl,-rpath-link,"$arm_lib" -o "$out/portable_check"
-# The loader, libc, libstdc++ and libgomp from the cross sysroot (qemu's -L prefix), libhwy from
-# the multiarch directory.
-qemu-aarch64 -L "$sysroot" -E LD_LIBRARY_PATH="$arm_lib" "$out/portable_check"
+# The loader, libc, libstdc++ and libgomp all from the cross sysroot (qemu's -L prefix, and first
+# on the library path, ahead of the host's ld.so.cache, which lists the multiarch arm64 libc: a
+# loader of one glibc build with the libc of another hangs in pthread_create), libhwy alone from the
+# multiarch directory.
+qemu-aarch64 -L "$sysroot" -E LD_LIBRARY_PATH="$sysroot/lib:$out/hwylib" "$out/portable_check"

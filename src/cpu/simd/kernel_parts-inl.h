@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "core/element_access.hpp"
+#include "cpu/fused_common.hpp"
 #include "cpu/fused_forward.hpp"
 #include "cpu/parallel.hpp"
 #include "cpu/simd/targets.hpp"
@@ -51,15 +52,9 @@ inline constexpr int kRowsPerTask = 32;
 /// K (16 KiB at d = 64) fit in L1 next to the S tile; 32 and 128 measured slower for dense at d = 64
 /// with the AVX2 kernel this one replaces.
 inline constexpr int kMinKeyTile = 64;
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
-/// The backward computes P = exp(scale * s - LSE) straight from the forward's fp32 LSE only while
-/// |LSE| <= this. The rounding of LSE and of scale * s puts about eps_f32 |LSE| of relative error
-/// into P: up to ~64 eps_f32 here, of the order of the backward's other fp32 errors, while ordinary
-/// attention rows (|LSE| a few tens at most) stay on the direct path. Beyond it (large or
-/// overflowed scores, docs/semantics.md "Non-finite and extreme inputs") the backward recomputes
-/// the row's maximum and sum itself and uses P = exp(scale * (s - max)) / sum.
-inline constexpr float kDirectLseLimit = 64.0f;
+using fused::kDirectLseLimit;  // shared with the scalar twin (cpu/fused_common.hpp)
+using fused::kLn2;
+using fused::kLog2e;
 /// Buffer alignment: a whole vector of the widest target (2048-bit SVE), so every Load is aligned.
 inline constexpr std::size_t kAlign = 256;
 

@@ -240,7 +240,8 @@ class backward_pass : public kernel<T> {
           continue;
         }
         float tile_max = neg_inf;
-        const int kept = this->compact(s, static_cast<std::int32_t>(j0), ws.comp_val.ptr, ws.comp_idx.ptr, tile_max);
+        const int kept = this->compact(s, static_cast<std::int32_t>(j0), ws.comp_val.ptr, ws.comp_idx.ptr, tile_max,
+                                      /*nan_free=*/true);  // NaN rows were diverted above
         if (tile_max == neg_inf) continue;
         float& mx = ws.row_max.ptr[i];
         float& sum = ws.row_sum.ptr[i];
@@ -279,7 +280,7 @@ class backward_pass : public kernel<T> {
     float* cp = ws.comp_p.ptr;
     float* cds = ws.comp_ds.ptr;
     float tile_max = 0.0f;
-    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max);
+    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/true);  // NaN rows diverted
     const float d_row = ws.row_d.ptr[i];
     const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
     const DF d;
@@ -368,10 +369,24 @@ class backward_pass : public kernel<T> {
     for (std::int64_t k = 0; k < keys; ++k) {
       const float* pk = ws.p_keys.ptr + k * kRowsPerTask;
       const float* dsk = ws.ds_keys.ptr + k * kRowsPerTask;
-      // Rows with P != 0: kept, unmasked and not underflowed (P = 0 contributes nothing to either).
+      // Rows with P != 0: kept, unmasked and not underflowed (P = 0 contributes nothing to either),
+      // as a bit mask from vector compares, then its set bits in increasing order: a scalar test
+      // per row mispredicts on sparse patterns (it took 70% of this function for 1:2 on AVX2).
       int n = 0;
-      for (int r = 0; r < kRowsPerTask; ++r) {
-        if (pk[r] != 0.0f) rows[n++] = r;
+      if (kRowsPerTask % lanes_ == 0) {
+        const DF d;
+        std::uint64_t live = 0;
+        for (int r = 0; r < kRowsPerTask; r += lanes_) {
+          std::uint64_t bits = 0;
+          // Not(Eq): a NaN P (a NaN row's kept key) counts as live; Highway's Ne is ordered (false for NaN).
+          hn::StoreMaskBits(d, hn::Not(hn::Eq(hn::Load(d, pk + r), hn::Zero(d))), reinterpret_cast<std::uint8_t*>(&bits));
+          live |= bits << r;
+        }
+        for (; live != 0; live &= live - 1) rows[n++] = static_cast<int>(hwy::Num0BitsBelowLS1Bit_Nonzero64(live));
+      } else {
+        for (int r = 0; r < kRowsPerTask; ++r) {
+          if (pk[r] != 0.0f) rows[n++] = r;
+        }
       }
       if (n == 0) continue;
       const std::int64_t j = j0 + k;

@@ -163,12 +163,13 @@ class forward_pass : public kernel<T> {
 
     // A NaN or +inf score can only come from non-finite or huge inputs (flagged while packing) or a
     // bias; the row's output is then NaN whatever the arithmetic below does with it.
-    if (ws.risky && this->row_has_nan_or_inf(s)) ws.row_nan.ptr[i] = 1;
+    const bool nan_or_inf = ws.risky && this->row_has_nan_or_inf(s);
+    if (nan_or_inf) ws.row_nan.ptr[i] = 1;
 
     float* cv = ws.comp_val.ptr;
     std::int32_t* ci = ws.comp_idx.ptr;
     float tile_max = neg_inf;
-    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max);
+    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf);
     if (tile_max == neg_inf) return;
     float& mx = ws.row_max.ptr[i];
     float& sum = ws.row_sum.ptr[i];

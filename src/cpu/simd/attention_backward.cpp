@@ -126,12 +126,13 @@ class backward_pass : public kernel<T> {
     for (std::int64_t j = 0; j <= lk_pad_; ++j) {
       this->load_row(p_.k, p_.k_stride, b, j, hk, j < p_.seqlen_k, ws.kr.ptr + j * dp_);
     }
-    // V^T in panels like K, so that dP = dO V^T runs on the same micro-kernel as S = Q K^T.
+    // V^T in panels like K, so that dP = dO V^T runs on the same micro-kernel as S = Q K^T
+    // (contiguous stores, as in pack_head).
     for (std::int64_t blk = 0; blk < lk_pad_ / panel_; ++blk) {
       float* panel = ws.vt.ptr + blk * dp_ * panel_;
-      for (int key = 0; key < panel_; ++key) {
-        const float* row = ws.vp.ptr + (blk * panel_ + key) * dp_;
-        for (int c = 0; c < dp_; ++c) panel[c * panel_ + key] = row[c];
+      const float* rows = ws.vp.ptr + blk * panel_ * dp_;
+      for (int c = 0; c < dp_; ++c) {
+        for (int key = 0; key < panel_; ++key) panel[c * panel_ + key] = rows[key * dp_ + c];
       }
     }
     std::fill(ws.dk.ptr, ws.dk.ptr + (lk_pad_ + 1) * dp_, 0.0f);

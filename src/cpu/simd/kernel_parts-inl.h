@@ -91,7 +91,7 @@ struct workspace {
   const void* packed_for = nullptr;  ///< the call (its params) the packed head belongs to
   bool kv_risky = false;  ///< the packed K or V holds a non-finite or huge value
   bool risky = false;     ///< the current task can produce NaN or +inf scores
-  aligned_buffer<float> kt, vp, q, s, acc, comp_val, row_max, row_sum;
+  aligned_buffer<float> kt, vp, pack, q, s, acc, comp_val, row_max, row_sum;
   aligned_buffer<std::int32_t> comp_idx, row_nan;
   // Backward only: K rows, dK and dV accumulators of the (batch, kv head), V^T panels, the dO tile
   // and its dP = dO V^T tile, per-row D = rowsum(dO * O) and LSE * log2(e), the kept probabilities
@@ -386,6 +386,7 @@ struct kernel {
     const auto compact = static_cast<std::size_t>(w_ + 2 * lanes_);
     ws.kt.resize(panels);
     ws.vp.resize(rows_pad);
+    ws.pack.resize(static_cast<std::size_t>(panel_ * dp_));
     ws.q.resize(std::max(tile_rows, static_cast<std::size_t>(dp_)));
     ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
     ws.acc.resize(tile_rows);
@@ -465,15 +466,19 @@ struct kernel {
     float* kt = ws.kt.ptr;
     float* vp = ws.vp.ptr;
     const std::int64_t lk = p_.seqlen_k;
-    float* row = ws.q.ptr;  // the Q tile scratch is free while packing (dp floats needed)
+    // K: a panel's P rows are converted into contiguous scratch first, then transposed with
+    // contiguous stores (storing each row's values P floats apart touched a cache line per value).
+    float* rows = ws.pack.ptr;
     bool risky = false;
     for (std::int64_t blk = 0; blk < lk_pad_ / panel_; ++blk) {
       float* panel = kt + blk * dp_ * panel_;
       for (int t = 0; t < panel_; ++t) {
         const std::int64_t j = blk * panel_ + t;
-        load_row(p_.k, p_.k_stride, b, j, hk, j < lk, row);
-        risky |= !row_is_tame(row);
-        for (int c = 0; c < dp_; ++c) panel[c * panel_ + t] = row[c];
+        load_row(p_.k, p_.k_stride, b, j, hk, j < lk, rows + t * dp_);
+        risky |= !row_is_tame(rows + t * dp_);
+      }
+      for (int c = 0; c < dp_; ++c) {
+        for (int t = 0; t < panel_; ++t) panel[c * panel_ + t] = rows[t * dp_ + c];
       }
     }
     for (std::int64_t j = 0; j <= lk_pad_; ++j) {
@@ -499,7 +504,7 @@ struct kernel {
   }
 
   /// Adds the bias to the tile row @p s of query qi and sets masked keys (j >= lim) to -inf.
-  void bias_and_mask(float* s, std::int64_t b, std::int64_t h, std::int64_t qi, std::int64_t j0, std::int64_t lim) const {
+  HWY_INLINE void bias_and_mask(float* s, std::int64_t b, std::int64_t h, std::int64_t qi, std::int64_t j0, std::int64_t lim) const {
     if (p_.bias != nullptr) {
       const std::int64_t n = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
       const std::int64_t base = b * p_.bias_stride[0] + h * p_.bias_stride[1] + qi * p_.bias_stride[2];
@@ -542,7 +547,7 @@ struct kernel {
   /// A NaN-free row takes select_pairs_nan_free, the cheaper pairwise form of the same rule (the
   /// hand-written AVX2 kernel's): about half the instructions, which measured 2:4 about 10% faster
   /// on AVX2. Other N:M go through the scalar nm_select_group; N = M keeps everything.
-  int compact(const float* s, std::int32_t j0, float* cv, std::int32_t* ci, float& max_out, bool nan_free) const {
+  HWY_INLINE int compact(const float* s, std::int32_t j0, float* cv, std::int32_t* ci, float& max_out, bool nan_free) const {
     const DF d;
     const DI di;
     const int n = p_.pattern_n, m = p_.pattern_m;

@@ -71,8 +71,9 @@ ops = CppExtension(
     # torch 1.13's cpp_extension defaults to C++14 and the dfss headers need C++17; torch 2.x picks
     # the standard its headers need (C++17, or C++20 for recent releases) by itself.
     extra_compile_args=(["-std=c++17"] if int(torch.__version__.split(".")[0]) < 2 else []) + ["-O2"],
-    # The core parallelises with OpenMP.
-    extra_link_args=["-fopenmp"],
+    # The core parallelises with OpenMP and detects the CPU's SIMD targets with Google Highway
+    # (libhwy, Debian libhwy-dev).
+    extra_link_args=["-fopenmp", "-lhwy"],
 )
 
 BUILD_BASE = os.environ.get("DFSS_PYTHON_BUILD_DIR", "build-python")

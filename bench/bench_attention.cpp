@@ -95,9 +95,11 @@ void register_all() {
     dfss::pattern p;
   };
   const named_pattern patterns[] = {{"dense", {1, 1}}, {"1:2", {1, 2}}, {"2:4", {2, 4}}};
-  const std::pair<const char*, dfss::cpu_isa> isas[] = {{"generic", dfss::cpu_isa::generic},
-                                                        {"avx2", dfss::cpu_isa::avx2},
-                                                        {"portable", dfss::cpu_isa::portable}};
+  // The generic twin and every SIMD target this CPU runs.
+  std::vector<std::pair<std::string, dfss::cpu_isa>> isas{{"generic", dfss::cpu_isa::generic}};
+  for (const dfss::cpu_isa_support& t : dfss::cpu_simd_isas()) {
+    if (t.supported) isas.emplace_back(dfss::cpu_isa_name(t.isa), t.isa);
+  }
   for (const auto& [isa_name, isa] : isas) {
     for (const auto& np : patterns) {
       dfss::attention_config cfg;

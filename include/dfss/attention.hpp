@@ -8,6 +8,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "dfss/error.hpp"
 #include "dfss/params.hpp"
@@ -22,19 +23,36 @@ enum class cpu_algorithm : int {
   three_stage,  ///< the paper's pipeline: Q K^T with fused selection -> compressed softmax -> SpMM
 };
 
-/// @brief Instruction set of the CPU kernels; automatic picks AVX2 when the CPU has it, else portable.
+/// @brief Instruction set of the CPU kernels. Every value but generic names a Google Highway target
+/// of the one SIMD kernel family (src/cpu/simd/); automatic picks the best one this CPU runs.
 enum class cpu_isa : int {
   automatic,
-  generic,  ///< portable scalar C++ (the twin every SIMD kernel is tested against)
-  avx2,     ///< x86-64 AVX2 + FMA (+ F16C for f16 inputs)
-  portable, ///< compiler vector extensions: NEON on ARM, SSE on baseline x86-64 (no AVX2 needed)
+  generic,   ///< portable scalar C++ (the twin every SIMD kernel is tested against)
+  avx2,      ///< x86-64 AVX2 + FMA + F16C (Highway's AVX2 target)
+  portable,  ///< the baseline SIMD target: sse4 on x86-64, neon on AArch64
+  sse4,      ///< x86-64 SSE4.2 (Highway's SSE4 target)
+  avx3,      ///< x86-64 AVX-512 F/BW/DQ/VL (Highway's AVX3 target)
+  neon,      ///< AArch64 NEON
+  sve,       ///< AArch64 SVE (any vector length)
+  sve2,      ///< AArch64 SVE2
 };
 
 /// @brief Parses "fused" or "three-stage" (also "three_stage"); throws dfss::error naming @p argument.
 cpu_algorithm parse_cpu_algorithm(std::string_view text, std::string_view argument = "cpu_algorithm");
-/// @brief Parses "automatic" (or "auto"), "generic", "avx2" or "portable"; throws dfss::error naming
-/// @p argument otherwise.
+/// @brief Parses "automatic" (or "auto"), "generic", "portable" or a Highway target name ("sse4",
+/// "avx2", "avx3", "neon", "sve", "sve2"); throws dfss::error naming @p argument otherwise.
 cpu_isa parse_cpu_isa(std::string_view text, std::string_view argument = "cpu_isa");
+/// @brief The name parse_cpu_isa accepts for @p isa ("automatic", "generic", "avx2", ...).
+const char* cpu_isa_name(cpu_isa isa) noexcept;
+
+/// @brief A SIMD instruction set this build of dfss compiled, and whether this CPU can run it.
+struct cpu_isa_support {
+  dfss::cpu_isa isa;
+  bool supported;
+};
+/// @brief The SIMD targets compiled into this build, best first (e.g. avx3, avx2, sse4 on x86-64;
+/// sve2, sve, neon on AArch64), each with whether this CPU (and OS) runs it.
+std::vector<cpu_isa_support> cpu_simd_isas();
 
 /// @brief Largest attention_config::num_threads. OpenMP runtimes fail badly rather than cleanly on
 /// absurd team sizes (libgomp segfaults creating 100000 threads); 1024 is above every core count a
@@ -116,6 +134,18 @@ enum class kernel_kind : int {
   cpu_fused_backward_scalar,
   cpu_fused_backward_portable,
   cuda_three_stage_forward,  ///< SDDMM + register N:M selection -> compressed softmax -> mma.sp SpMM
+  // The SIMD kernel family (src/cpu/simd/) on each Highway target; avx2 and portable (the baseline
+  // target) keep the values above.
+  cpu_fused_forward_sse4,
+  cpu_fused_backward_sse4,
+  cpu_fused_forward_avx3,
+  cpu_fused_backward_avx3,
+  cpu_fused_forward_neon,
+  cpu_fused_backward_neon,
+  cpu_fused_forward_sve,
+  cpu_fused_backward_sve,
+  cpu_fused_forward_sve2,
+  cpu_fused_backward_sve2,
 };
 
 /// @brief The selector's answer: supported or not, and what runs.

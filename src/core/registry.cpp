@@ -4,8 +4,8 @@
 #include <iterator>
 
 #include "core/cpu_features.hpp"
-#include "cpu/fused_forward.hpp"
 #include "cpu/scalar/attention.hpp"
+#include "cpu/simd/targets.hpp"
 #include "cpu/three_stage/attention.hpp"
 #include "ref/reference.hpp"
 #if defined(DFSS_WITH_CUDA_BACKEND)
@@ -18,17 +18,53 @@ namespace {
 constexpr unsigned kHostFloats = dtype_bit(dtype::f32) | dtype_bit(dtype::f16) | dtype_bit(dtype::bf16);
 constexpr unsigned kAllFloats = kHostFloats | dtype_bit(dtype::f64);
 
-/// The AVX2 kernels (cpu/fused_forward_avx2.cpp) are compiled by GCC only: in a build without them
-/// (clang) the CPU is reported as lacking AVX2, so the selector never picks a kernel the build lacks.
-const char* avx2_lacks(dtype input) noexcept {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  const bool base = cpu_has(cpu_feature::avx2) && cpu_has(cpu_feature::fma);
-  if (base && (input != dtype::f16 || cpu_has(cpu_feature::f16c))) return nullptr;
-#endif
-  return input == dtype::f16 ? "AVX2, FMA or F16C" : "AVX2, FMA";
+/// What a SIMD target needs, in the words `dfss info` and the selector's messages use.
+constexpr const char* needs_of(cpu::simd_target t) noexcept {
+  switch (t) {
+    case cpu::simd_target::sse4: return "SSE4.2";
+    case cpu::simd_target::avx2: return "AVX2, FMA, F16C";
+    case cpu::simd_target::avx3: return "AVX-512 F/BW/DQ/VL";
+    case cpu::simd_target::neon: return "NEON";
+    case cpu::simd_target::sve: return "SVE";
+    case cpu::simd_target::sve2: return "SVE2";
+  }
+  return "";
 }
 
-constexpr const char* kAvx2Needs = "AVX2, FMA (F16C for f16)";
+/// cpu_lacks of a SIMD target's kernels: Highway's run-time check (hwy::SupportedTargets), which
+/// also knows whether this build compiled the target at all.
+template <cpu::simd_target T>
+const char* simd_lacks(dtype) noexcept {
+  return cpu::simd_target_supported(T) ? nullptr : needs_of(T);
+}
+
+template <cpu::simd_target T>
+status simd_forward(const attention_params& p) noexcept {
+  return cpu::fused_forward_simd(p, T);
+}
+
+template <cpu::simd_target T>
+status simd_backward(const attention_params& p) noexcept {
+  return cpu::fused_backward_simd(p, T);
+}
+
+/// The rows of SIMD target @p T: forward and backward under their own cpu_isa value, in the
+/// automatic preference order of the table.
+#define DFSS_SIMD_ROWS(T, ISA, NAME, FWD, BWD)                                                               \
+  {.kind = kernel_kind::FWD, .name = "cpu.fused_forward." NAME, .backend = backend::cpu,                      \
+   .dir = direction::forward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true, .dtypes = kHostFloats, \
+   .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_forward<T>},                                  \
+  {.kind = kernel_kind::BWD, .name = "cpu.fused_backward." NAME, .backend = backend::cpu,                     \
+   .dir = direction::backward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true,                      \
+   .dtypes = kHostFloats, .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_backward<T>,          \
+   .forward = kernel_kind::FWD}
+
+// cpu_isa::portable: the baseline SIMD target of the architecture, under its own kernel names.
+#if defined(__aarch64__)
+constexpr cpu::simd_target kBaseline = cpu::simd_target::neon;
+#else
+constexpr cpu::simd_target kBaseline = cpu::simd_target::sse4;
+#endif
 
 const kernel_entry kKernels[] = {
     // The fp64 oracle: every call that passes validation.
@@ -37,32 +73,38 @@ const kernel_entry kKernels[] = {
     {.kind = kernel_kind::reference_backward, .name = "reference.backward", .backend = backend::reference,
      .dir = direction::backward, .dtypes = kAllFloats, .run = ref::reference_backward},
 
-    // CPU forward. cpu_isa::automatic takes the first runnable row marked automatic.
-    {.kind = kernel_kind::cpu_fused_forward_avx2, .name = "cpu.fused_forward.avx2", .backend = backend::cpu,
-     .dir = direction::forward, .isa = cpu_isa::avx2, .isa_name = "avx2", .automatic = true,
-     .dtypes = kHostFloats, .needs = kAvx2Needs, .cpu_lacks = avx2_lacks, .run = cpu::fused_forward_avx2},
+    // CPU, the SIMD family best target first: cpu_isa::automatic takes the first runnable row
+    // marked automatic, so the order is the preference. Each backward runs after (or with the O and
+    // LSE of) the forward of its target.
+#if defined(__x86_64__)
+    DFSS_SIMD_ROWS(cpu::simd_target::avx3, avx3, "avx3", cpu_fused_forward_avx3, cpu_fused_backward_avx3),
+    DFSS_SIMD_ROWS(cpu::simd_target::avx2, avx2, "avx2", cpu_fused_forward_avx2, cpu_fused_backward_avx2),
+    DFSS_SIMD_ROWS(cpu::simd_target::sse4, sse4, "sse4", cpu_fused_forward_sse4, cpu_fused_backward_sse4),
+#elif defined(__aarch64__)
+    DFSS_SIMD_ROWS(cpu::simd_target::sve2, sve2, "sve2", cpu_fused_forward_sve2, cpu_fused_backward_sve2),
+    DFSS_SIMD_ROWS(cpu::simd_target::sve, sve, "sve", cpu_fused_forward_sve, cpu_fused_backward_sve),
+    DFSS_SIMD_ROWS(cpu::simd_target::neon, neon, "neon", cpu_fused_forward_neon, cpu_fused_backward_neon),
+#endif
     {.kind = kernel_kind::cpu_fused_forward_portable, .name = "cpu.fused_forward.portable", .backend = backend::cpu,
-     .dir = direction::forward, .isa = cpu_isa::portable, .isa_name = "portable", .automatic = true,
-     .dtypes = kHostFloats, .run = cpu::fused_forward_portable},
+     .dir = direction::forward, .isa = cpu_isa::portable, .isa_name = "portable", .dtypes = kHostFloats,
+     .needs = needs_of(kBaseline), .cpu_lacks = simd_lacks<kBaseline>, .run = simd_forward<kBaseline>},
+    {.kind = kernel_kind::cpu_fused_backward_portable, .name = "cpu.fused_backward.portable", .backend = backend::cpu,
+     .dir = direction::backward, .isa = cpu_isa::portable, .isa_name = "portable", .dtypes = kHostFloats,
+     .needs = needs_of(kBaseline), .cpu_lacks = simd_lacks<kBaseline>, .run = simd_backward<kBaseline>,
+     .forward = kernel_kind::cpu_fused_forward_portable},
+
+    // CPU, the scalar twins (cpu_isa::generic; automatic only where no SIMD target runs) and the
+    // three-stage pipeline (every cpu_isa).
     {.kind = kernel_kind::cpu_fused_forward_scalar, .name = "cpu.fused_forward.scalar", .backend = backend::cpu,
-     .dir = direction::forward, .isa = cpu_isa::generic, .isa_name = "generic", .dtypes = kHostFloats,
-     .run = cpu::fused_forward_scalar},
+     .dir = direction::forward, .isa = cpu_isa::generic, .isa_name = "generic", .automatic = true,
+     .dtypes = kHostFloats, .run = cpu::fused_forward_scalar},
+    {.kind = kernel_kind::cpu_fused_backward_scalar, .name = "cpu.fused_backward.scalar", .backend = backend::cpu,
+     .dir = direction::backward, .isa = cpu_isa::generic, .isa_name = "generic", .automatic = true,
+     .dtypes = kHostFloats, .run = cpu::fused_backward_scalar, .forward = kernel_kind::cpu_fused_forward_scalar},
     {.kind = kernel_kind::cpu_three_stage_forward, .name = "cpu.three_stage_forward.generic", .backend = backend::cpu,
      .dir = direction::forward, .algorithm = cpu_algorithm::three_stage, .isa = cpu_isa::generic,
      .isa_name = "generic", .every_isa = true, .automatic = true, .dtypes = kHostFloats,
      .run = cpu::three_stage_forward, .writes_compressed = true},
-
-    // CPU backward: each runs after (or with the O and LSE of) the forward of its instruction set.
-    {.kind = kernel_kind::cpu_fused_backward_avx2, .name = "cpu.fused_backward.avx2", .backend = backend::cpu,
-     .dir = direction::backward, .isa = cpu_isa::avx2, .isa_name = "avx2", .automatic = true,
-     .dtypes = kHostFloats, .needs = kAvx2Needs, .cpu_lacks = avx2_lacks, .run = cpu::fused_backward_avx2,
-     .forward = kernel_kind::cpu_fused_forward_avx2},
-    {.kind = kernel_kind::cpu_fused_backward_portable, .name = "cpu.fused_backward.portable", .backend = backend::cpu,
-     .dir = direction::backward, .isa = cpu_isa::portable, .isa_name = "portable", .automatic = true,
-     .dtypes = kHostFloats, .run = cpu::fused_backward_portable, .forward = kernel_kind::cpu_fused_forward_portable},
-    {.kind = kernel_kind::cpu_fused_backward_scalar, .name = "cpu.fused_backward.scalar", .backend = backend::cpu,
-     .dir = direction::backward, .isa = cpu_isa::generic, .isa_name = "generic", .dtypes = kHostFloats,
-     .run = cpu::fused_backward_scalar, .forward = kernel_kind::cpu_fused_forward_scalar},
 
 #if defined(DFSS_WITH_CUDA_BACKEND)
     // CUDA forward: f16 and bf16, d 64 and 128, patterns 1:2 and 2:4 (its own rules, with messages).
@@ -72,6 +114,8 @@ const kernel_entry kKernels[] = {
      .unsupported_reason = cuda::forward_unsupported_reason, .instance_name = cuda::forward_kernel_name},
 #endif
 };
+
+#undef DFSS_SIMD_ROWS
 
 }  // namespace
 

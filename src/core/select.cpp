@@ -42,9 +42,10 @@ kernel_selection select_reference(direction dir) {
 }
 
 /// The CPU kernel for the requested algorithm and instruction set. The backward runs on the
-/// instruction set the forward would (its twin recomputes that forward's exact selection):
-/// generic -> scalar, portable -> portable, avx2 -> avx2 (when the CPU has it), automatic -> avx2
-/// when the CPU has it, else portable; it is fused whichever algorithm the forward used. An
+/// instruction set the forward would (it recomputes that forward's exact selection): generic ->
+/// the scalar twin, a SIMD target (avx3, avx2, sse4, neon, ...) or portable (the baseline target)
+/// -> the SIMD family on it when the CPU has it, automatic -> the best target this CPU runs, else
+/// the scalar twin; the backward is fused whichever algorithm the forward used. An
 /// algorithm with one kernel for every instruction set (the three-stage pipeline) ignores cpu_isa.
 kernel_selection select_cpu(const attention_params& p, const attention_config& c, direction dir) {
   const dtype t = p.input_type;
@@ -66,7 +67,12 @@ kernel_selection select_cpu(const attention_params& p, const attention_config& c
   }
   const kernel_entry* e = first(backend::cpu, dir, [&](const kernel_entry& x) { return of_algorithm(x) && x.isa == c.cpu_isa; });
   if (e == nullptr) {
-    return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
+    const std::string name = cpu_isa_name(c.cpu_isa);
+    if (name == "unknown") {
+      return reject(backend::cpu, "unknown cpu_isa value " + std::to_string(static_cast<int>(c.cpu_isa)));
+    }
+    return reject(backend::cpu, "cpu_isa " + name + " was requested but this build did not compile it (it is "
+                                    "another architecture's instruction set)");
   }
   if (const char* lacks = e->cpu_lacks != nullptr ? e->cpu_lacks(t) : nullptr) {
     return reject(backend::cpu, std::string("cpu_isa ") + e->isa_name + " was requested but this CPU lacks " + lacks);

@@ -104,14 +104,35 @@ cpu_algorithm parse_cpu_algorithm(std::string_view text, std::string_view argume
                                                  "': expected fused or three-stage, got \"" + std::string(text) + "\"");
 }
 
+namespace {
+constexpr cpu_isa kAllIsas[] = {cpu_isa::automatic, cpu_isa::generic, cpu_isa::avx2, cpu_isa::portable, cpu_isa::sse4,
+                                cpu_isa::avx3,      cpu_isa::neon,    cpu_isa::sve,  cpu_isa::sve2};
+}  // namespace
+
+const char* cpu_isa_name(cpu_isa isa) noexcept {
+  switch (isa) {
+    case cpu_isa::automatic: return "automatic";
+    case cpu_isa::generic: return "generic";
+    case cpu_isa::avx2: return "avx2";
+    case cpu_isa::portable: return "portable";
+    case cpu_isa::sse4: return "sse4";
+    case cpu_isa::avx3: return "avx3";
+    case cpu_isa::neon: return "neon";
+    case cpu_isa::sve: return "sve";
+    case cpu_isa::sve2: return "sve2";
+  }
+  return "unknown";
+}
+
 cpu_isa parse_cpu_isa(std::string_view text, std::string_view argument) {
-  if (text == "automatic" || text == "auto") return cpu_isa::automatic;
-  if (text == "generic") return cpu_isa::generic;
-  if (text == "avx2") return cpu_isa::avx2;
-  if (text == "portable") return cpu_isa::portable;
-  throw error(status_code::invalid_argument, "dfss: argument '" + std::string(argument) +
-                                                 "': expected automatic, generic, avx2 or portable, got \"" +
-                                                 std::string(text) + "\"");
+  if (text == "auto") return cpu_isa::automatic;
+  for (cpu_isa isa : kAllIsas) {
+    if (text == cpu_isa_name(isa)) return isa;
+  }
+  throw error(status_code::invalid_argument,
+              "dfss: argument '" + std::string(argument) +
+                  "': expected automatic, generic, portable or a SIMD target (sse4, avx2, avx3, neon, sve, sve2), "
+                  "got \"" + std::string(text) + "\"");
 }
 
 }  // namespace dfss

@@ -1,6 +1,8 @@
-// Cross-architecture check of the portable-SIMD CPU kernel: built for AArch64 by
-// tools/scripts/check-aarch64.sh and run under qemu-user, it compares the automatic CPU kernel
-// (which must be the portable one on ARM) with the fp64 reference backend on small-integer inputs,
+// Cross-architecture check of the SIMD CPU kernels: built for AArch64 by
+// tools/scripts/check-aarch64.sh and run under qemu-user, it runs every check below on each SIMD
+// target of this build that the (emulated) CPU supports (qemu's default CPU has NEON, SVE and
+// SVE2; "portable" must be selectable and "automatic" must pick the best target), comparing it with
+// the fp64 reference backend on small-integer inputs,
 // whose scores are exact, so selections must match and only the softmax carries rounding
 // (tolerance as in tests/unit/test_cpu.cpp); then the same for the backward pass, which must be the
 // portable backward twin (tolerance as in tests/unit/test_cpu_backward_twins.cpp), and a trip test
@@ -12,14 +14,21 @@
 #include <dfss/dfss.hpp>
 
 #include <cfloat>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
 
 int passed = 0, failed = 0;
+/// The SIMD target under test (every check's cpu_isa) and the kernel names it must select.
+dfss::cpu_isa g_isa = dfss::cpu_isa::neon;
+std::string kernel_name(bool forward) {
+  return std::string(forward ? "cpu.fused_forward." : "cpu.fused_backward.") + dfss::cpu_isa_name(g_isa);
+}
 
 void check(bool ok, const char* what, long long a, long long b, long long c, const char* pat) {
   if (ok) {
@@ -77,10 +86,11 @@ void check_backward(std::mt19937& rng) {
         a.dv = dfss::make_view(dv.data(), {s.B, s.Lk, s.Hkv, s.d});
         a.dbias = dfss::make_view(dbias.data(), {s.B, s.H, s.Lq, s.Lk});
         dfss::attention_config cfg;
+        cfg.cpu_isa = g_isa;
         cfg.pattern = pat;
         cfg.causal = causal;
         const auto sel = dfss::select_kernel(a, cfg);
-        check(sel.name == "cpu.fused_backward.portable", "automatic selects the portable backward", s.Lq, s.Lk, s.d,
+        check(sel.name == kernel_name(false), "the target's backward is selected", s.Lq, s.Lk, s.d,
               pat.str().c_str());
         dfss::attention_backward(a, cfg);
         dfss::backward_args r;
@@ -141,6 +151,7 @@ void check_backward_selection(std::mt19937& rng) {
     f.lse = dfss::make_view(lse.data(), {1, 1, Lq});
     f.bias = dfss::make_view(bias.data(), {1, 1, Lq, Lk});
     dfss::attention_config cfg;
+    cfg.cpu_isa = g_isa;
     cfg.pattern = pat;
     dfss::attention_forward(f, cfg);
     dfss::backward_args b;
@@ -223,6 +234,7 @@ void check_extreme(std::mt19937& rng) {
     std::vector<float> o(nq, NAN), lse(static_cast<std::size_t>(H * Lq), NAN), dq(nq, NAN), dk(nk, NAN), dv(nk, NAN);
     std::vector<double> o64(nq), lse64(static_cast<std::size_t>(H * Lq)), dq64(nq), dk64(nk), dv64(nk);
     dfss::attention_config cfg;
+    cfg.cpu_isa = g_isa;
     cfg.causal = true;
     cfg.scale = scale;
     dfss::forward_args f;
@@ -279,9 +291,8 @@ void check_extreme(std::mt19937& rng) {
   }
 }
 
-}  // namespace
-
-int main() {
+/// Every check on the target g_isa names.
+void check_target() {
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> small(-3, 3);
   struct shape {
@@ -302,10 +313,11 @@ int main() {
         a.v = dfss::make_view(v.data(), {s.B, s.Lk, s.Hkv, s.d});
         a.out = dfss::make_view(o.data(), {s.B, s.Lq, s.H, s.d});
         dfss::attention_config cfg;
+        cfg.cpu_isa = g_isa;
         cfg.pattern = pat;
         cfg.causal = causal;
         const auto sel = dfss::select_kernel(a, cfg);
-        check(sel.name == "cpu.fused_forward.portable", "automatic selects the portable kernel", s.Lq, s.Lk, s.d,
+        check(sel.name == kernel_name(true), "the target's forward is selected", s.Lq, s.Lk, s.d,
               pat.str().c_str());
         dfss::attention_forward(a, cfg);
         dfss::forward_args r;
@@ -331,6 +343,34 @@ int main() {
   check_backward(rng);
   check_backward_selection(rng);
   check_extreme(rng);
+}
+
+}  // namespace
+
+int main() {
+  // portable names the baseline target (NEON), automatic the best one this CPU runs.
+  dfss::forward_args a;
+  std::vector<float> x(4, 1.0f), o(4);
+  a.q = a.k = a.v = dfss::make_view(x.data(), {1, 1, 1, 4});
+  a.out = dfss::make_view(o.data(), {1, 1, 1, 4});
+  dfss::attention_config cfg;
+  cfg.cpu_isa = dfss::cpu_isa::portable;
+  check(dfss::select_kernel(a, cfg).name == "cpu.fused_forward.portable", "portable is selectable", 1, 1, 4, "-");
+  std::string best;
+  for (const dfss::cpu_isa_support& t : dfss::cpu_simd_isas()) {
+    std::printf("target %s: %s\n", dfss::cpu_isa_name(t.isa), t.supported ? "supported, checking" : "not supported here");
+    if (!t.supported) continue;
+    if (best.empty()) best = std::string("cpu.fused_forward.") + dfss::cpu_isa_name(t.isa);
+    g_isa = t.isa;
+    const int before = failed;
+    const auto start = std::chrono::steady_clock::now();
+    check_target();
+    std::printf("target %s: %d failed (%.0f s)\n", dfss::cpu_isa_name(t.isa), failed - before,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    std::fflush(stdout);
+  }
+  cfg.cpu_isa = dfss::cpu_isa::automatic;
+  check(!best.empty() && dfss::select_kernel(a, cfg).name == best, "automatic selects the best target", 1, 1, 4, "-");
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

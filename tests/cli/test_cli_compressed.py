@@ -199,7 +199,7 @@ class CompressedCliTest(DfssCliCase):
         base = self.attention_args(q, k, v, "2:4")
         prefix = self.path("bad")
         self.expect_bad_input(base + ["--algorithm", "sparse"], "--algorithm", "sparse")
-        self.expect_bad_input(base + ["--isa", "neon"], "--isa", "neon")
+        self.expect_bad_input(base + ["--isa", "mmx"], "--isa", "mmx")
         self.expect_bad_input(base + ["--save-compressed", prefix], "--save-compressed", "three-stage")
         self.expect_bad_input(base + ["--algorithm", "fused", "--save-compressed", prefix], "--save-compressed")
         self.expect_bad_input(base + ["--algorithm", "three-stage", "--backend", "reference", "--save-compressed", prefix],

@@ -205,13 +205,49 @@ inline bool cpu_has(std::initializer_list<const char*> names) {
   return true;
 }
 
-/// The CPU backend's AVX2 kernels (forward and backward) are in this build (GCC builds them, clang
-/// does not) and run on this machine for every input type (F16C too), as the kernel registry says.
-inline bool cpu_runs_avx2_kernels() {
-  for (const kernel_info& k : get_build_info().kernels) {
-    if (k.name == "cpu.fused_forward.avx2") return k.runs_here && cpu_has({"f16c"});
+// ---- The CPU kernels to test: one list, fed by the library's list of compiled SIMD targets ------
+
+/// The fused CPU kernels every ISA-iterating test runs: the generic scalar twin, portable (the
+/// baseline SIMD target under its alias), then every SIMD target this build compiled (best first),
+/// whether or not this CPU runs it: a test skips those with cpu_isa_skip_reason.
+inline std::vector<cpu_isa> fused_cpu_isas() {
+  std::vector<cpu_isa> out{cpu_isa::generic, cpu_isa::portable};
+  for (const cpu_isa_support& t : cpu_simd_isas()) out.push_back(t.isa);
+  return out;
+}
+
+/// Why a test of @p isa cannot run on this machine (this CPU lacks the target), or "" when it can.
+inline std::string cpu_isa_skip_reason(cpu_isa isa) {
+  if (isa == cpu_isa::generic) return "";
+  std::vector<cpu_isa_support> all = cpu_simd_isas();
+  if (all.empty()) return std::string("this build has no SIMD kernels, so no ") + cpu_isa_name(isa);
+  if (isa == cpu_isa::portable) isa = all.back().isa;  // the baseline target: the last (worst) one
+  for (const cpu_isa_support& t : all) {
+    if (t.isa == isa) return t.supported ? "" : std::string("this CPU cannot run the ") + cpu_isa_name(isa) + " target";
   }
-  return false;
+  return std::string("this build did not compile the ") + cpu_isa_name(isa) + " target";
+}
+
+/// The fused CPU kernels of fused_cpu_isas that this machine runs (for loops inside one test).
+inline std::vector<cpu_isa> runnable_cpu_isas() {
+  std::vector<cpu_isa> out;
+  for (cpu_isa isa : fused_cpu_isas()) {
+    if (cpu_isa_skip_reason(isa).empty()) out.push_back(isa);
+  }
+  return out;
+}
+
+/// A test-name fragment for @p isa: "Generic", "Portable", "Avx2", "Sse4", "Avx3", ...
+inline std::string cpu_isa_label(cpu_isa isa) {
+  std::string s = cpu_isa_name(isa);
+  if (!s.empty()) s[0] = static_cast<char>(s[0] - 'a' + 'A');
+  return s;
+}
+
+/// The kernel name the selector reports for @p isa (forward or backward), as scripts know them.
+inline std::string fused_kernel_name(cpu_isa isa, bool forward) {
+  const std::string dir = forward ? "cpu.fused_forward." : "cpu.fused_backward.";
+  return dir + (isa == cpu_isa::generic ? "scalar" : cpu_isa_name(isa));
 }
 
 /// Score q_i . k_j (+ bias) of (batch b, head h) in fp64, before masks; packed [B, L, H, d] data.

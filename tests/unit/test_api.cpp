@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/testing.hpp"
 #include "dfss/dfss.hpp"
 
 namespace dfss {
@@ -275,17 +276,16 @@ TEST(Api, SelectorAnswersSupportAndWhatRuns) {
   attention_config cfg;
   auto s = select_kernel(fx.f, cfg);
   EXPECT_TRUE(s.supported());
-  // Whether the AVX2 forward is in this build and runs here (f32 inputs): the registry's answer, so
-  // that a build without the AVX2 kernels (clang) expects what it selects.
-  bool avx2 = false;
-  for (const kernel_info& k : get_build_info().kernels) {
-    avx2 = avx2 || (k.name == "cpu.fused_forward.avx2" && k.runs_here);
-  }
-  EXPECT_EQ(s.name, avx2 ? "cpu.fused_forward.avx2" : "cpu.fused_forward.portable");
+  // automatic: the best SIMD target this CPU runs (the first runnable one of the library's list),
+  // the scalar twin when there is none.
+  const auto runnable = testing::runnable_cpu_isas();
+  const cpu_isa best = runnable.size() > 2 ? runnable[2] : cpu_isa::generic;
+  EXPECT_EQ(s.name, testing::fused_kernel_name(best, true));
   cfg.cpu_isa = cpu_isa::generic;
   EXPECT_EQ(select_kernel(fx.f, cfg).name, "cpu.fused_forward.scalar");
   cfg.cpu_isa = cpu_isa::avx2;  // without AVX2 the automatic backend falls back to the reference
-  EXPECT_EQ(select_kernel(fx.f, cfg).name, avx2 ? "cpu.fused_forward.avx2" : "reference.forward");
+  EXPECT_EQ(select_kernel(fx.f, cfg).name,
+            testing::cpu_isa_skip_reason(cpu_isa::avx2).empty() ? "cpu.fused_forward.avx2" : "reference.forward");
   cfg.cpu_isa = cpu_isa::automatic;
   cfg.cpu_algorithm = cpu_algorithm::three_stage;
   EXPECT_EQ(select_kernel(fx.f, cfg).name, "cpu.three_stage_forward.generic");
@@ -299,10 +299,10 @@ TEST(Api, SelectorAnswersSupportAndWhatRuns) {
   expect_error([&] { attention_forward(fx.f, cfg); }, status_code::unsupported, {"backend 'cuda'", "CUDA"});
   const status st = try_attention_forward(fx.f, cfg);
   EXPECT_EQ(st.code, status_code::unsupported);
-  // Backward: the cpu kernel of the forward's ISA (AVX2 where available, else the portable twin),
-  // dbias broadcast over the batch included, on both the automatic and the cpu backend.
+  // Backward: the cpu kernel of the forward's ISA, dbias broadcast over the batch included, on both
+  // the automatic and the cpu backend.
   cfg.backend = backend::automatic;
-  const char* bw_kernel = avx2 ? "cpu.fused_backward.avx2" : "cpu.fused_backward.portable";
+  const std::string bw_kernel = testing::fused_kernel_name(best, false);
   EXPECT_EQ(select_kernel(fx.bw, cfg).name, bw_kernel);
   cfg.backend = backend::cpu;
   EXPECT_EQ(select_kernel(fx.bw, cfg).name, bw_kernel);

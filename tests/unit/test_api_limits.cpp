@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/testing.hpp"
 #include "dfss/dfss.hpp"
 
 namespace dfss {
@@ -19,13 +20,13 @@ constexpr float kPoison = std::numeric_limits<float>::quiet_NaN();
 
 /// Every kernel family the selector can pick for f32 inputs, plus the reference.
 struct kernel_choice {
-  const char* name;
+  std::string name;
   attention_config config;
 };
 
 std::vector<kernel_choice> every_kernel(bool forward) {
   std::vector<kernel_choice> out;
-  auto add = [&](const char* name, backend b, cpu_isa isa, cpu_algorithm alg) {
+  auto add = [&](const std::string& name, backend b, cpu_isa isa, cpu_algorithm alg) {
     attention_config c;
     c.backend = b;
     c.cpu_isa = isa;
@@ -37,17 +38,11 @@ std::vector<kernel_choice> every_kernel(bool forward) {
   add("automatic", backend::automatic, cpu_isa::automatic, cpu_algorithm::fused);
   add("cpu generic", backend::cpu, cpu_isa::generic, cpu_algorithm::fused);
   add("cpu portable", backend::cpu, cpu_isa::portable, cpu_algorithm::fused);
-  const kernel_selection avx2 = [] {
-    std::vector<float> x(1, 1.0f), o(1);
-    forward_args a;
-    a.q = a.k = a.v = make_view(x.data(), {1, 1, 1, 1});
-    a.out = make_view(o.data(), {1, 1, 1, 1});
-    attention_config c;
-    c.backend = backend::cpu;
-    c.cpu_isa = cpu_isa::avx2;
-    return select_kernel(a, c);
-  }();
-  if (avx2.supported()) add("cpu avx2", backend::cpu, cpu_isa::avx2, cpu_algorithm::fused);
+  // Every SIMD target this CPU runs (tests/common's list).
+  for (cpu_isa isa : testing::runnable_cpu_isas()) {
+    if (isa == cpu_isa::generic || isa == cpu_isa::portable) continue;
+    add(std::string("cpu ") + cpu_isa_name(isa), backend::cpu, isa, cpu_algorithm::fused);
+  }
   if (forward) add("cpu three-stage", backend::cpu, cpu_isa::automatic, cpu_algorithm::three_stage);
   return out;
 }

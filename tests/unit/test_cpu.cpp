@@ -8,6 +8,8 @@
 // c = 16. 16-bit outputs add half an ulp of the output type.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "common/run.hpp"
 #include "common/testing.hpp"
 
@@ -16,16 +18,11 @@ namespace {
 
 constexpr double kEps32 = 1.0 / (1 << 23);
 
-/// The ISAs this machine can run; every test below runs for each of them.
-std::vector<cpu_isa> runnable_isas() {
-  std::vector<cpu_isa> out{cpu_isa::generic, cpu_isa::portable};
-  if (cpu_runs_avx2_kernels()) out.push_back(cpu_isa::avx2);
-  return out;
-}
+/// The ISAs this machine can run (tests/common: generic, portable and every compiled SIMD target
+/// this CPU supports); every test below runs for each of them.
+std::vector<cpu_isa> runnable_isas() { return runnable_cpu_isas(); }
 
-const char* isa_name(cpu_isa i) {
-  return i == cpu_isa::avx2 ? "avx2" : (i == cpu_isa::portable ? "portable" : "generic");
-}
+const char* isa_name(cpu_isa i) { return cpu_isa_name(i); }
 
 double output_tol(const problem& pr, dtype out) {
   double vmax = 0;
@@ -176,38 +173,72 @@ TEST(Cpu, EmptyRowsAndNaN) {
   }
 }
 
-TEST(Cpu, Avx2AgreesWithGenericOnLargerShapes) {
-  // Shapes that exercise several key tiles, partial tiles, d not a multiple of 8 or above 64, and
-  // the generic N:M path inside the AVX2 kernel.
-  if (runnable_isas().size() < 3) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+TEST(Cpu, SimdTargetsAgreeWithGenericOnLargerShapes) {
+  // Shapes that exercise several key tiles, partial tiles, d not a multiple of the vector length or
+  // above 64, and the generic N:M path inside the SIMD kernels, on every target this CPU runs.
   std::mt19937_64 rng(test_seed() + 15);
   struct shape {
     std::int64_t B, Lq, Lk, H, Hkv, d;
   };
   for (const auto& s : {shape{1, 70, 300, 2, 1, 64}, shape{2, 33, 257, 2, 2, 13}, shape{1, 5, 520, 1, 1, 96},
                         shape{1, 40, 130, 3, 3, 128}}) {
-    for (pattern pat : {pattern{1, 1}, pattern{1, 2}, pattern{2, 4}, pattern{3, 8}, pattern{5, 7}}) {
+    for (pattern pat : {pattern{1, 1}, pattern{1, 2}, pattern{2, 4}, pattern{3, 8}, pattern{5, 7}, pattern{1, 4}, pattern{3, 4}}) {
       problem pr;
       pr.B = s.B, pr.Lq = s.Lq, pr.Lk = s.Lk, pr.H = s.H, pr.Hkv = s.Hkv, pr.d = s.d, pr.pat = pat;
       pr.causal = s.d == 13;
       pr.has_bias = s.d == 96;
       fill(pr, rng, /*integers=*/true);
+      const auto want = run_forward(pr);
+      for (cpu_isa isa : runnable_isas()) {
+        run_options opt;
+        opt.type = dtype::f32;
+        opt.backend = backend::cpu;
+        opt.isa = isa;
+        const auto a = run_forward(pr, opt);
+        double err = 0;
+        for (std::size_t x = 0; x < a.o.size(); ++x) {
+          ASSERT_TRUE(std::isfinite(a.o[x])) << pr.describe() << " " << isa_name(isa);
+          err = std::max(err, std::abs(a.o[x] - want.o[x]));
+        }
+        EXPECT_LE(err, output_tol(pr, dtype::f32)) << pr.describe() << " " << isa_name(isa);
+      }
+    }
+  }
+}
+
+TEST(Cpu, BitwiseIdenticalForEveryThreadCount) {
+  // Each row (forward) and each (batch, kv head) (backward) is computed by one worker in a fixed
+  // order, so 1, 2, 3 and 7 threads give the same bits, on every target, causal or not.
+  std::mt19937_64 rng(test_seed() + 17);
+  for (bool causal : {false, true}) {
+    problem pr;
+    pr.B = 2, pr.Lq = 70, pr.Lk = 150, pr.H = 4, pr.Hkv = 2, pr.d = 24, pr.pat = {2, 4};
+    pr.causal = causal;
+    pr.has_bias = causal;
+    fill(pr, rng);
+    for (cpu_isa isa : runnable_isas()) {
       run_options opt;
       opt.type = dtype::f32;
       opt.backend = backend::cpu;
-      opt.isa = cpu_isa::generic;
-      const auto a = run_forward(pr, opt);
-      opt.isa = cpu_isa::avx2;
-      const auto b = run_forward(pr, opt);
-      opt.isa = cpu_isa::portable;
-      const auto c = run_forward(pr, opt);
-      const auto want = run_forward(pr);
-      double err = 0;
-      for (std::size_t x = 0; x < a.o.size(); ++x) {
-        ASSERT_TRUE(std::isfinite(b.o[x]) && std::isfinite(c.o[x])) << pr.describe();
-        err = std::max({err, std::abs(a.o[x] - want.o[x]), std::abs(b.o[x] - want.o[x]), std::abs(c.o[x] - want.o[x])});
+      opt.isa = isa;
+      opt.threads = 1;
+      const auto f1 = run_forward(pr, opt);
+      const auto g1 = run_backward(pr, opt);
+      for (int threads : {2, 3, 7}) {
+        opt.threads = threads;
+        const auto f = run_forward(pr, opt);
+        const auto g = run_backward(pr, opt);
+        const auto same = [](const std::vector<double>& a, const std::vector<double>& b) {
+          if (a.size() != b.size()) return false;
+          for (std::size_t x = 0; x < a.size(); ++x) {
+            if (std::memcmp(&a[x], &b[x], sizeof(double)) != 0) return false;
+          }
+          return true;
+        };
+        EXPECT_TRUE(same(f.o, f1.o) && same(f.lse, f1.lse)) << isa_name(isa) << " forward, threads " << threads;
+        EXPECT_TRUE(same(g.dq, g1.dq) && same(g.dk, g1.dk) && same(g.dv, g1.dv) && same(g.dbias, g1.dbias))
+            << isa_name(isa) << " backward, threads " << threads;
       }
-      EXPECT_LE(err, output_tol(pr, dtype::f32)) << pr.describe();
     }
   }
 }

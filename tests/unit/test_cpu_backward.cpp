@@ -1,4 +1,4 @@
-// The CPU backward pass (AVX2 fused) against the fp64 reference backward, for determinism, and for
+// The CPU backward pass (SIMD fused, the best target this CPU runs) against the fp64 reference backward, for determinism, and for
 // using exactly the selection of the forward that produced O and LSE.
 //
 // Tolerance policy: on small-integer inputs the scores, hence the selections, are exact; the
@@ -19,17 +19,20 @@
 namespace dfss::testing {
 namespace {
 
-bool cpu_has_backward() { return cpu_runs_avx2_kernels(); }
+/// Whether automatic runs a SIMD backward here (the tests below use the automatic ISA: the best SIMD
+/// target this CPU runs; test_cpu_backward_twins.cpp runs the same contract on every target).
+bool cpu_has_backward() { return runnable_cpu_isas().size() > 2; }
+cpu_isa best_isa() { return runnable_cpu_isas().at(2); }
 
 TEST(CpuBackward, SelectorPicksTheKernelOfEachIsa) {
-  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU runs none of the compiled SIMD targets";
   std::vector<float> q(2 * 3 * 2 * 4, 0.5f), g(q.size()), gk(q.size()), gv(q.size());
   backward_args a;
   a.q = a.k = a.v = a.dout = make_view(q.data(), {2, 3, 2, 4});
   a.dq = make_view(g.data(), {2, 3, 2, 4});
   a.dk = make_view(gk.data(), {2, 3, 2, 4});
   a.dv = make_view(gv.data(), {2, 3, 2, 4});
-  EXPECT_EQ(select_kernel(a).name, "cpu.fused_backward.avx2");
+  EXPECT_EQ(select_kernel(a).name, fused_kernel_name(best_isa(), false));
   attention_config cfg;
   cfg.cpu_isa = cpu_isa::portable;
   EXPECT_EQ(select_kernel(a, cfg).name, "cpu.fused_backward.portable");
@@ -65,7 +68,7 @@ std::vector<problem> backward_shapes(std::mt19937_64& rng) {
 }
 
 TEST(CpuBackward, MatchesReferenceOnExactScores) {
-  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU runs none of the compiled SIMD targets";
   std::mt19937_64 rng(test_seed() + 31);
   for (const auto& pr : backward_shapes(rng)) {
     const auto want = run_backward(pr);
@@ -112,7 +115,7 @@ TEST(CpuBackward, MatchesFiniteDifferencesOfTheReferenceForward) {
   // 1e-2 from flipping: a step of h = 1e-5 moves a score by under 1e-4, so the selection is fixed.
   // Rows with no visible key (key length 0, causal rows above the diagonal when Lq > Lk) must get
   // exactly zero dQ, never NaN.
-  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU runs none of the compiled SIMD targets";
   std::mt19937_64 rng(test_seed() + 35);
   const double h = 1e-5;
   struct shape {
@@ -185,7 +188,7 @@ TEST(CpuBackward, MatchesFiniteDifferencesOfTheReferenceForward) {
 TEST(CpuBackward, BroadcastDbiasInEveryStorageType) {
   // dBias broadcast over the batch, the heads or both is the sum of the per-(b, h) gradients; 16-bit
   // storage is summed in fp32 and rounded once. Also bitwise identical for any thread count.
-  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU runs none of the compiled SIMD targets";
   std::mt19937_64 rng(test_seed() + 36);
   for (int form = 0; form < 3; ++form) {
     problem pr;
@@ -239,7 +242,7 @@ TEST(CpuBackward, BroadcastDbiasInEveryStorageType) {
 }
 
 TEST(CpuBackward, BitwiseIdenticalForAnyThreadCount) {
-  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU runs none of the compiled SIMD targets";
   std::mt19937_64 rng(test_seed() + 32);
   problem pr;
   pr.B = 2, pr.Lq = 45, pr.Lk = 77, pr.H = 4, pr.Hkv = 2, pr.d = 16, pr.causal = true;
@@ -264,10 +267,11 @@ TEST(CpuBackward, UsesExactlyTheForwardSelection) {
   // extra coordinate that is the identity (k_j[1 + j] = 1) and V = I, the forward's output row is P
   // itself; dV_j = P_j dO is then non-zero exactly for the keys the forward kept. A backward that
   // recomputed the selection differently (another summation order, fp64) trips this test.
-  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU runs none of the compiled SIMD targets";
   std::mt19937_64 rng(test_seed() + 33);
   std::uniform_real_distribution<float> u(0.5f, 1.5f), tiny(-4e-7f, 4e-7f);
   const std::int64_t Lk = 48, d = Lk, Lq = 8;
+  for (cpu_isa isa : runnable_cpu_isas())
   for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 8}}) {
     std::vector<float> q(static_cast<std::size_t>(Lq * d)), k(static_cast<std::size_t>(Lk * d), 0.0f),
         v(static_cast<std::size_t>(Lk * d), 0.0f), o(q.size()), lse(static_cast<std::size_t>(Lq)),
@@ -286,7 +290,7 @@ TEST(CpuBackward, UsesExactlyTheForwardSelection) {
     attention_config cfg;
     cfg.pattern = pat;
     cfg.backend = backend::cpu;
-    cfg.cpu_isa = cpu_isa::avx2;
+    cfg.cpu_isa = isa;
     attention_forward(f, cfg);
     backward_args b;
     b.q = f.q, b.k = f.k, b.v = f.v, b.out = f.out, b.lse = f.lse;
@@ -299,13 +303,13 @@ TEST(CpuBackward, UsesExactlyTheForwardSelection) {
     for (std::int64_t j = 0; j < Lk; ++j) {
       bool kept_somewhere = false;
       for (std::int64_t i = 0; i < Lq; ++i) kept_somewhere |= o[static_cast<std::size_t>(i * d + j)] > 0.0f;
-      EXPECT_EQ(dv[static_cast<std::size_t>(j * d)] != 0.0f, kept_somewhere) << pat.str() << " key " << j;
+      EXPECT_EQ(dv[static_cast<std::size_t>(j * d)] != 0.0f, kept_somewhere) << pat.str() << " key " << j << " " << cpu_isa_name(isa);
     }
   }
 }
 
 TEST(CpuBackward, RecomputesForwardWhenOutAndLseAreAbsent) {
-  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  if (!cpu_has_backward()) GTEST_SKIP() << "this CPU runs none of the compiled SIMD targets";
   std::mt19937_64 rng(test_seed() + 34);
   const std::int64_t B = 1, L = 37, H = 2, d = 8;
   std::vector<float> q(static_cast<std::size_t>(B * L * H * d)), k(q.size()), v(q.size()), dout(q.size()), o(q.size()),

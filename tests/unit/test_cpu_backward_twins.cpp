@@ -25,32 +25,29 @@ namespace {
 
 struct twin {
   cpu_isa isa;
-  const char* forward_name;
-  const char* backward_name;
+  std::string forward_name;
+  std::string backward_name;
 };
 
 void PrintTo(const twin& t, std::ostream* os) { *os << t.backward_name; }
 
-const twin kTwins[] = {
-    {cpu_isa::generic, "cpu.fused_forward.scalar", "cpu.fused_backward.scalar"},
-    {cpu_isa::portable, "cpu.fused_forward.portable", "cpu.fused_backward.portable"},
-    // The AVX2 kernel runs the same contract tests (where the CPU has it).
-    {cpu_isa::avx2, "cpu.fused_forward.avx2", "cpu.fused_backward.avx2"},
-};
+/// The generic twin, portable, and every SIMD target this build compiled (tests/common's list).
+std::vector<twin> twins() {
+  std::vector<twin> out;
+  for (cpu_isa isa : fused_cpu_isas()) out.push_back({isa, fused_kernel_name(isa, true), fused_kernel_name(isa, false)});
+  return out;
+}
 
 class CpuBackwardTwin : public ::testing::TestWithParam<twin> {
  protected:
   void SetUp() override {
-    if (GetParam().isa == cpu_isa::avx2 && !cpu_runs_avx2_kernels()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+    const std::string why = cpu_isa_skip_reason(GetParam().isa);
+    if (!why.empty()) GTEST_SKIP() << why;
   }
 };
 
 std::string twin_name(const ::testing::TestParamInfo<twin>& info) {
-  switch (info.param.isa) {
-    case cpu_isa::generic: return "Scalar";
-    case cpu_isa::portable: return "Portable";
-    default: return "Avx2";
-  }
+  return info.param.isa == cpu_isa::generic ? std::string("Scalar") : cpu_isa_label(info.param.isa);
 }
 
 /// The awkward-shape sweep: Lq != Lk, lengths not multiples of M or of the tiles (32 rows, 64+
@@ -387,7 +384,7 @@ TEST_P(CpuBackwardTwin, RecomputesItsOwnForwardWhenOutAndLseAreAbsent) {
   for (float x : g1) ASSERT_TRUE(std::isfinite(x));
 }
 
-INSTANTIATE_TEST_SUITE_P(Twins, CpuBackwardTwin, ::testing::ValuesIn(kTwins), twin_name);
+INSTANTIATE_TEST_SUITE_P(Twins, CpuBackwardTwin, ::testing::ValuesIn(twins()), twin_name);
 
 struct small_backward {
   std::vector<float> x = std::vector<float>(2 * 3 * 2 * 4, 0.5f), g = x, gk = x, gv = x;
@@ -412,10 +409,11 @@ TEST(CpuBackwardTwinSelector, EachIsaGetsItsBackward) {
     cfg.cpu_isa = cpu_isa::portable;
     EXPECT_EQ(select_kernel(s.a, cfg).name, "cpu.fused_backward.portable");
     EXPECT_EQ(select_kernel(s.a, cfg).kind, kernel_kind::cpu_fused_backward_portable);
-    // automatic: the AVX2 backward when this CPU runs it, else the portable twin.
+    // automatic: the best SIMD target this CPU runs (the first runnable one of the library's list).
     cfg.cpu_isa = cpu_isa::automatic;
-    EXPECT_EQ(select_kernel(s.a, cfg).name,
-              cpu_runs_avx2_kernels() ? "cpu.fused_backward.avx2" : "cpu.fused_backward.portable");
+    const auto runnable = runnable_cpu_isas();
+    ASSERT_GE(runnable.size(), 3u);  // generic, portable, at least the baseline target
+    EXPECT_EQ(select_kernel(s.a, cfg).name, fused_kernel_name(runnable[2], false));
   }
 }
 
@@ -426,11 +424,12 @@ TEST(CpuBackwardTwinSelector, Avx2RequestedIsHonouredOrRejected) {
   cfg.backend = backend::cpu;
   cfg.cpu_isa = cpu_isa::avx2;
   const auto sel = select_kernel(s.a, cfg);
-  if (cpu_runs_avx2_kernels()) {
+  if (cpu_isa_skip_reason(cpu_isa::avx2).empty()) {
     EXPECT_EQ(sel.name, "cpu.fused_backward.avx2");
+    EXPECT_EQ(sel.kind, kernel_kind::cpu_fused_backward_avx2);
   } else {
     EXPECT_FALSE(sel.supported());
-    EXPECT_NE(sel.reason.find("lacks AVX2"), std::string::npos) << sel.reason;
+    EXPECT_NE(sel.reason.find("avx2"), std::string::npos) << sel.reason;
   }
 }
 

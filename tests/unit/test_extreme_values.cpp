@@ -344,22 +344,21 @@ void expect_backward_matches(const problem& pr, const backward_result& got, cons
 // ---- Kernels -------------------------------------------------------------------------------------
 
 struct kernel {
-  const char* name;
+  std::string name;
   cpu_isa isa;
   cpu_algorithm algorithm;
 };
 
-const kernel kForward[] = {
-    {"Generic", cpu_isa::generic, cpu_algorithm::fused},
-    {"Portable", cpu_isa::portable, cpu_algorithm::fused},
-    {"Avx2", cpu_isa::avx2, cpu_algorithm::fused},
-    {"ThreeStage", cpu_isa::generic, cpu_algorithm::three_stage},
-};
-const kernel kBackward[] = {
-    {"Generic", cpu_isa::generic, cpu_algorithm::fused},
-    {"Portable", cpu_isa::portable, cpu_algorithm::fused},
-    {"Avx2", cpu_isa::avx2, cpu_algorithm::fused},
-};
+/// Every fused CPU kernel (tests/common's list: generic, portable, each compiled SIMD target), plus
+/// the three-stage pipeline for the forward.
+std::vector<kernel> fused_kernels(bool forward) {
+  std::vector<kernel> out;
+  for (cpu_isa isa : fused_cpu_isas()) out.push_back({cpu_isa_label(isa), isa, cpu_algorithm::fused});
+  if (forward) out.push_back({"ThreeStage", cpu_isa::generic, cpu_algorithm::three_stage});
+  return out;
+}
+const std::vector<kernel> kForward = fused_kernels(true);
+const std::vector<kernel> kBackward = fused_kernels(false);
 
 /// Patterns: the in-register 1:2 and 2:4 paths of the AVX2 kernel, the generic N:M path, dense.
 const pattern kPatterns[] = {{1, 2}, {2, 4}, {3, 8}, {4, 4}};
@@ -368,29 +367,29 @@ const dtype kTypes[] = {dtype::f32, dtype::f16, dtype::bf16};
 
 using param = std::tuple<int, int>;  // (kernel, case)
 
-template <const kernel* Kernels>
+template <const std::vector<kernel>* Kernels>
 std::string param_name(const ::testing::TestParamInfo<param>& info) {
-  return std::string(Kernels[std::get<0>(info.param)].name) + "_" + kCaseNames[std::get<1>(info.param)];
+  return (*Kernels)[static_cast<std::size_t>(std::get<0>(info.param))].name + "_" + kCaseNames[std::get<1>(info.param)];
 }
 
 class ExtremeForward : public ::testing::TestWithParam<param> {
  protected:
   void SetUp() override {
-    if (kForward[std::get<0>(GetParam())].isa == cpu_isa::avx2 && !cpu_runs_avx2_kernels())
-      GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+    const std::string why = cpu_isa_skip_reason(kForward[static_cast<std::size_t>(std::get<0>(GetParam()))].isa);
+    if (!why.empty()) GTEST_SKIP() << why;
   }
 };
 
 class ExtremeBackward : public ::testing::TestWithParam<param> {
  protected:
   void SetUp() override {
-    if (kBackward[std::get<0>(GetParam())].isa == cpu_isa::avx2 && !cpu_runs_avx2_kernels())
-      GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+    const std::string why = cpu_isa_skip_reason(kBackward[static_cast<std::size_t>(std::get<0>(GetParam()))].isa);
+    if (!why.empty()) GTEST_SKIP() << why;
   }
 };
 
 TEST_P(ExtremeForward, MatchesReference) {
-  const kernel& kn = kForward[std::get<0>(GetParam())];
+  const kernel& kn = kForward[static_cast<std::size_t>(std::get<0>(GetParam()))];
   extreme_case c = make_case(std::get<1>(GetParam()));
   int ran = 0;
   for (pattern pat : kPatterns) {
@@ -418,7 +417,7 @@ TEST_P(ExtremeForward, MatchesReference) {
 }
 
 TEST_P(ExtremeBackward, MatchesReference) {
-  const kernel& kn = kBackward[std::get<0>(GetParam())];
+  const kernel& kn = kBackward[static_cast<std::size_t>(std::get<0>(GetParam()))];
   extreme_case c = make_case(std::get<1>(GetParam()));
   int ran = 0;
   for (pattern pat : kPatterns) {
@@ -444,11 +443,11 @@ TEST_P(ExtremeBackward, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeForward,
-                         ::testing::Combine(::testing::Range(0, 4), ::testing::Range(0, kCases)),
-                         param_name<kForward>);
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(kForward.size())), ::testing::Range(0, kCases)),
+                         param_name<&kForward>);
 INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeBackward,
-                         ::testing::Combine(::testing::Range(0, 3), ::testing::Range(0, kCases)),
-                         param_name<kBackward>);
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(kBackward.size())), ::testing::Range(0, kCases)),
+                         param_name<&kBackward>);
 
 // ---- The fp64 reference itself -------------------------------------------------------------------
 

@@ -17,6 +17,9 @@
 #   --dtypes LIST       dfss input types (f32,bf16)
 #   --patterns LIST     N:M patterns (dense,1:2,2:4)
 #   --algorithms LIST   cpu algorithms (fused)
+#   --isa NAME          the fused kernels' ISA on both sides (automatic); e.g. avx2 compares one
+#                       SIMD target across builds (both builds must know the name)
+#   --backward          time forward + backward (dfss bench --backward) instead of the forward
 #   --threads N         threads of each run (2)
 #   --iters N           timed calls per configuration and run (3)
 #   --threshold X       flag ratios above this (1.03)
@@ -30,7 +33,7 @@ die() { printf 'compare_builds: error: %s\n' "$*" >&2; exit 2; }
 say() { printf 'compare_builds: %s\n' "$*" >&2; }
 
 rounds=5 lengths=1024,2048,4096 head_dims=64,128 dtypes=f32,bf16 patterns=dense,1:2,2:4
-algorithms=fused threads=2 iters=3 threshold=1.03 out="" build_root="${XDG_CACHE_HOME:-$HOME/.cache}/dfss/compare"
+algorithms=fused isa=automatic backward=() threads=2 iters=3 threshold=1.03 out="" build_root="${XDG_CACHE_HOME:-$HOME/.cache}/dfss/compare"
 positional=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -40,12 +43,14 @@ while [ $# -gt 0 ]; do
     --dtypes) dtypes="${2:?--dtypes: expected a comma list}"; shift 2 ;;
     --patterns) patterns="${2:?--patterns: expected a comma list}"; shift 2 ;;
     --algorithms) algorithms="${2:?--algorithms: expected a comma list}"; shift 2 ;;
+    --isa) isa="${2:?--isa: expected an ISA name}"; shift 2 ;;
+    --backward) backward=(--backward); shift ;;
     --threads) threads="${2:?--threads: expected a number}"; shift 2 ;;
     --iters) iters="${2:?--iters: expected a number}"; shift 2 ;;
     --threshold) threshold="${2:?--threshold: expected a number}"; shift 2 ;;
     --out) out="${2:?--out: expected a folder}"; shift 2 ;;
     --build-root) build_root="${2:?--build-root: expected a folder}"; shift 2 ;;
-    -h | --help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option '$1' (see --help)" ;;
     *) positional+=("$1"); shift ;;
   esac
@@ -111,7 +116,7 @@ for ((r = 1; r <= rounds; r++)); do
         [ "$side" = new ] && bin=$new_bin
         say "round $r/$rounds, $t d=$d: $side ($((SECONDS - start)) s so far)"
         "$bin" bench --lengths "$lengths" --patterns "$patterns" --algorithms "$algorithms" --head-dim "$d" \
-          --dtype "$t" --threads "$threads" --warmup 1 --iters "$iters" --no-torch --no-sgemm --no-ref \
+          --isa "$isa" "${backward[@]}" --dtype "$t" --threads "$threads" --warmup 1 --iters "$iters" --no-torch --no-sgemm --no-ref \
           --json "$out/r$r-$side-$t-d$d.json" >"$out/r$r-$side-$t-d$d.txt" 2>/dev/null ||
           die "round $r, $side binary ($bin), $t d=$d failed: see $out/r$r-$side-$t-d$d.txt"
       done

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends cmake make g++ libgtest-dev libgmock-dev \
+  apt-get install -y -qq --no-install-recommends cmake make g++ libhwy-dev libgtest-dev libgmock-dev \
     libbenchmark-dev libopenblas0 libcli11-dev nlohmann-json3-dev python3 python3-numpy >/dev/null
 fi
 if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi

@@ -1,0 +1,456 @@
+// The fused DFSS backward over Google Highway, compiled once per SIMD target like the forward
+// (attention_forward.cpp) and dispatched to the target the caller names.
+//
+// One task per (batch, kv head) packs K (panels and rows) and V (rows and V^T panels) once, then
+// for each query head of the group, each 32-row query tile and each key tile recomputes S with the
+// forward's micro-kernel and selects with the forward's bias_and_mask and compact
+// (kernel_parts-inl.h), so it keeps exactly the keys the forward on the same target kept.
+// dP = dO V^T runs on the same micro-kernel over V^T panels; P = exp(scale S - LSE) from the
+// forward's LSE, or, for a row with |LSE| > kDirectLseLimit (huge scores, or LSE +-inf because
+// scale * max overflowed fp32), from the row's own maximum m and sum l recomputed with the forward's
+// code: P = exp(scale (S - m)) / l. dS = P (dP - D) with D = rowsum(dO O). Entries with P = 0
+// (masked keys, padding, underflow) are dropped, not multiplied by 0, so a NaN or inf in a masked
+// key's K, V or dP reaches no gradient. The products touch only kept entries:
+//   dQ += scale dS K: per query row, a combination of the kept keys' K rows (dQ row in registers);
+//   dV += P^T dO, dK += scale dS^T Q: the row pass writes each kept entry's P and scaled dS into a
+//     key-major block [key tile][32 rows]; then per key, the rows with P != 0 are combined with the
+//     key's dK and dV rows in registers, each read and written once per (row tile, key tile).
+// Accumulation order is fixed (heads of the group, then row tiles, then rows within a key's mask),
+// so gradients are bitwise identical for any thread count. dBias is written per kept entry; when it
+// broadcasts over the batch or the heads, one task owns every (batch, kv head) that adds into the
+// same dBias slice and visits them in a fixed order (a 16-bit dBias is summed in fp32 scratch and
+// rounded once).
+#include "cpu/simd/targets.hpp"  // first: it fixes the compiled targets
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/simd/attention_backward.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "cpu/simd/kernel_parts-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace dfss::cpu::simd::HWY_NAMESPACE {
+
+#if DFSS_SIMD_KERNEL_TARGET
+
+template <typename T>
+class backward_pass : public kernel<T> {
+ public:
+  using base = kernel<T>;
+  using base::base;
+
+  /// One task per (batch, kv head), or per group of them when dBias broadcasts over the batch or
+  /// the heads: a task then owns every (batch, kv head) that adds into the same dBias entries and
+  /// visits them in a fixed order (deterministic, no atomics).
+  void run() const {
+    const bool dbias_over_b = p_.dbias != nullptr && p_.dbias_stride[0] == 0 && p_.batch > 1;
+    const bool dbias_over_h = p_.dbias != nullptr && p_.dbias_stride[1] == 0 && p_.heads > 1;
+    const std::int64_t task_b = dbias_over_b ? 1 : p_.batch, task_hk = dbias_over_h ? 1 : p_.heads_kv;
+    // A shared 16-bit dBias is summed in fp32 scratch and rounded once, like the reference's single
+    // rounding; f32 and f64 dBias are summed in place.
+    const bool shared = dbias_over_b || dbias_over_h;
+    const bool scratch = shared && p_.bias_type != dtype::f32 && p_.bias_type != dtype::f64;
+    const std::int64_t slice = p_.seqlen_q * p_.seqlen_k;
+    parallel_for(
+        task_b * task_hk, p_.num_threads, schedule::contiguous,
+        [&] {
+          workspace& ws = worker_scratch<workspace>();
+          this->reserve(ws, /*backward=*/true);
+          if (scratch) ws.dbias_acc.resize(static_cast<std::size_t>((dbias_over_h ? 1 : group_) * slice));
+        },
+        [&](std::int64_t t) {
+          workspace& ws = worker_scratch<workspace>();
+          const std::int64_t tb = t / task_hk, thk = t % task_hk;
+          // The scratch holds the task's dBias slices: one [Lq, Lk] slice, or (shared over the batch
+          // only) one per head of the kv head's group, indexed from its first head.
+          dbias_sink sink = direct_dbias_sink();
+          if (scratch) {
+            sink = {ws.dbias_acc.ptr, dtype::f32, {0, dbias_over_h ? 0 : slice, p_.seqlen_k, 1}, dbias_over_h ? 0 : thk * group_};
+          }
+          for (std::int64_t b = dbias_over_b ? 0 : tb; b < (dbias_over_b ? p_.batch : tb + 1); ++b) {
+            for (std::int64_t hk = dbias_over_h ? 0 : thk; hk < (dbias_over_h ? p_.heads_kv : thk + 1); ++hk) {
+              backward_task(ws, b, hk, sink, /*first_b=*/!dbias_over_b || b == 0);
+            }
+          }
+          if (scratch) {
+            for (std::int64_t g = 0; g < (dbias_over_h ? 1 : group_); ++g) {
+              flush_dbias(ws.dbias_acc.ptr + g * slice, tb, dbias_over_h ? 0 : thk * group_ + g);
+            }
+          }
+        });
+  }
+
+ private:
+  using base::d_;
+  using base::dp_;
+  using base::e1_;
+  using base::e2_;
+  using base::group_;
+  using base::lanes_;
+  using base::lk_pad_;
+  using base::p_;
+  using base::panel_;
+  using base::scale_;
+  using base::w_;
+
+  /// Where dBias goes: the output itself, or an fp32 [Lq, Lk] scratch for a shared 16-bit dBias.
+  struct dbias_sink {
+    void* base;
+    dtype type;
+    std::int64_t stride[4];  ///< [b, h, i, j]; 0 for a dimension that is summed over
+    std::int64_t h0;         ///< first head held (the scratch holds a kv head group's heads)
+    std::int64_t at(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+      return b * stride[0] + (h - h0) * stride[1] + i * stride[2] + j * stride[3];
+    }
+  };
+
+  dbias_sink direct_dbias_sink() const {
+    return {p_.dbias, p_.bias_type, {p_.dbias_stride[0], p_.dbias_stride[1], p_.dbias_stride[2], p_.dbias_stride[3]}, 0};
+  }
+
+  /// Rounds the fp32 scratch sum of a shared dBias slice (batch b, head h unless broadcast) into dBias.
+  void flush_dbias(const float* acc, std::int64_t b, std::int64_t h) const {
+    const std::int64_t base = b * p_.dbias_stride[0] + h * p_.dbias_stride[1];
+    for (std::int64_t i = 0; i < p_.seqlen_q; ++i) {
+      for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
+        core::store_from_double(p_.dbias, p_.bias_type, base + i * p_.dbias_stride[2] + j * p_.dbias_stride[3],
+                                static_cast<double>(acc[i * p_.seqlen_k + j]));
+      }
+    }
+  }
+
+  /// dQ, dK, dV of (batch b, kv head hk), and its heads' dBias into @p sink: written by the first
+  /// contributor to an entry (@p first_b and, for a dBias shared over heads, head 0), added after.
+  void backward_task(workspace& ws, std::int64_t b, std::int64_t hk, const dbias_sink& sink, bool first_b) const {
+    this->pack_head(ws, b, hk);
+    for (std::int64_t j = 0; j <= lk_pad_; ++j) {
+      this->load_row(p_.k, p_.k_stride, b, j, hk, j < p_.seqlen_k, ws.kr.ptr + j * dp_);
+    }
+    // V^T in panels like K, so that dP = dO V^T runs on the same micro-kernel as S = Q K^T
+    // (contiguous stores, as in pack_head).
+    for (std::int64_t blk = 0; blk < lk_pad_ / panel_; ++blk) {
+      float* panel = ws.vt.ptr + blk * dp_ * panel_;
+      const float* rows = ws.vp.ptr + blk * panel_ * dp_;
+      for (int c = 0; c < dp_; ++c) {
+        for (int key = 0; key < panel_; ++key) panel[c * panel_ + key] = rows[key * dp_ + c];
+      }
+    }
+    std::fill(ws.dk.ptr, ws.dk.ptr + (lk_pad_ + 1) * dp_, 0.0f);
+    std::fill(ws.dv.ptr, ws.dv.ptr + (lk_pad_ + 1) * dp_, 0.0f);
+    const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
+    for (std::int64_t h = hk * group_; h < (hk + 1) * group_; ++h) {
+      const bool first = first_b && (sink.stride[1] != 0 || h == 0);
+      for (std::int64_t qt = 0; qt < q_tiles; ++qt) backward_tile(ws, b, h, qt * kRowsPerTask, sink, first);
+    }
+    // A NaN row's P and dS are NaN at the keys it kept (nan_row_keys), so its NaN reaches exactly
+    // those keys' dK and dV, as in the reference.
+    for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
+      for (int c = 0; c < d_; ++c) {
+        const std::int64_t at = j * dp_ + c;
+        core::store_from_double(p_.dk, p_.output_type, core::offset4(p_.dk_stride, b, j, hk, c),
+                                static_cast<double>(ws.dk.ptr[at]));
+        core::store_from_double(p_.dv, p_.output_type, core::offset4(p_.dv_stride, b, j, hk, c),
+                                static_cast<double>(ws.dv.ptr[at]));
+      }
+    }
+  }
+
+  /// Query rows i0 .. i0 + 31 of head h: dQ written, dK and dV accumulated. Per row,
+  /// P = exp2((scale (s - shift)) log2(e) - offset) with shift = 0 and offset = LSE log2(e) (the
+  /// forward's LSE) while |LSE| <= kDirectLseLimit; for the other rows row_statistics first finds
+  /// the row's maximum m and sum l: shift = m, offset = log2(l).
+  void backward_tile(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, const dbias_sink& sink,
+                     bool first) const {
+    const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
+    const int rows_mk = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
+    float* q = ws.q.ptr;
+    float* dout = ws.dout.ptr;
+    std::int64_t tile_end = 0;
+    for (int i = 0; i < rows_mk; ++i) {
+      this->load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
+      this->load_row(p_.dout, p_.dout_stride, b, i0 + i, h, i < rows, dout + i * dp_);
+    }
+    std::uint32_t recompute = 0;  // bit i: row i needs its own maximum and sum
+    for (int i = 0; i < rows; ++i) {
+      float dsum = 0.0f;
+      for (int c = 0; c < d_; ++c) {
+        dsum += dout[i * dp_ + c] *
+                static_cast<float>(core::load_as_double(p_.o, p_.o_type, core::offset4(p_.o_stride, b, i0 + i, h, c)));
+      }
+      ws.row_d.ptr[i] = dsum;
+      const auto lse = static_cast<float>(core::load_as_double(
+          p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2]));
+      ws.row_max.ptr[i] = 0.0f;
+      ws.row_lse2.ptr[i] = lse * kLog2e;
+      ws.row_nan.ptr[i] = lse != lse ? 1 : 0;
+      const std::int64_t lim = this->key_limit(b, i0 + i);
+      // LSE -inf is an empty row, or a row whose scale * max overflowed: only a row that sees a key
+      // can be the latter.
+      if (lse == lse && !(std::abs(lse) <= kDirectLseLimit) && lim > 0) recompute |= 1u << i;
+      tile_end = std::max(tile_end, lim);
+    }
+    if (recompute != 0) row_statistics(ws, b, h, i0, rows_mk, tile_end, recompute);
+    std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
+    if (p_.dbias != nullptr && first) {
+      for (int i = 0; i < rows; ++i) {
+        for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
+          core::store_from_double(sink.base, sink.type, sink.at(b, h, i0 + i, j), 0.0);
+        }
+      }
+    }
+    for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
+      this->tile_product(q, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
+      this->tile_product(dout, rows_mk, ws.vt.ptr, j0, ws.dps.ptr);
+      std::fill(ws.p_keys.ptr, ws.p_keys.ptr + w_ * kRowsPerTask, 0.0f);
+      for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0, sink, first);
+      accumulate_dk_dv(ws, j0);
+    }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int i = 0; i < rows; ++i) {
+      const bool is_nan = ws.row_nan.ptr[i] != 0;
+      for (int c = 0; c < d_; ++c) {
+        core::store_from_double(p_.dq, p_.output_type, core::offset4(p_.dq_stride, b, i0 + i, h, c),
+                                static_cast<double>(is_nan ? nan : ws.acc.ptr[i * dp_ + c]));
+      }
+    }
+  }
+
+  /// The maximum m and sum l = sum of exp(scale (s - m)) over the kept scores of the rows in
+  /// @p rows_mask (the forward's scores, selection and online update), stored as the rows' shift
+  /// (m) and offset (log2 l); offset -inf for a row without a finite kept score, row_nan for a row
+  /// with a NaN or +inf score. Costs one more pass of S = Q K^T over the row tile: only tiles with
+  /// such rows take it.
+  void row_statistics(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t i0, int rows_mk,
+                      std::int64_t tile_end, std::uint32_t rows_mask) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+      const int i = __builtin_ctz(r);
+      ws.row_max.ptr[i] = neg_inf;
+      ws.row_sum.ptr[i] = 0.0f;
+    }
+    for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
+      this->tile_product(ws.q.ptr, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
+      for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+        const int i = __builtin_ctz(r);
+        const std::int64_t lim = this->key_limit(b, i0 + i);
+        if (j0 >= lim || ws.row_nan.ptr[i] != 0) continue;
+        float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+        this->bias_and_mask(s, b, h, i0 + i, j0, lim);
+        if (this->row_has_nan_or_inf(s)) {
+          ws.row_nan.ptr[i] = 1;
+          continue;
+        }
+        float tile_max = neg_inf;
+        const int kept = this->compact(s, static_cast<std::int32_t>(j0), ws.comp_val.ptr, ws.comp_idx.ptr, tile_max,
+                                      /*nan_free=*/true);  // NaN rows were diverted above
+        if (tile_max == neg_inf) continue;
+        float& mx = ws.row_max.ptr[i];
+        float& sum = ws.row_sum.ptr[i];
+        if (tile_max > mx) {
+          sum = mx == neg_inf ? 0.0f : sum * std::exp2(((mx - tile_max) * e1_) * e2_);
+          mx = tile_max;
+        }
+        sum += this->exp_sum(ws.comp_val.ptr, kept, mx);
+      }
+    }
+    for (std::uint32_t r = rows_mask; r != 0; r &= r - 1) {
+      const int i = __builtin_ctz(r);
+      const float mx = ws.row_max.ptr[i];
+      ws.row_lse2.ptr[i] = mx == neg_inf ? neg_inf : std::log2(ws.row_sum.ptr[i]);
+    }
+  }
+
+  /// One row against one key tile: the forward's scores and selection, then
+  /// P = exp2((scale (S - shift)) log2(e) - offset) (see backward_tile), dS = P (dO . V - D),
+  /// dQ += scale dS K, and P, scale dS into the key-major block for dK and dV.
+  void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
+                    const dbias_sink& sink, bool first) const {
+    const std::int64_t lim = this->key_limit(b, qi);
+    const float offset = ws.row_lse2.ptr[i];
+    // Empty rows (offset -inf) have zero gradients.
+    if (j0 >= lim || offset == -std::numeric_limits<float>::infinity()) return;
+    float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+    this->bias_and_mask(s, b, h, qi, j0, lim);
+    if (this->row_has_nan_or_inf(s)) ws.row_nan.ptr[i] = 1;
+    if (ws.row_nan.ptr[i] != 0) {
+      nan_row_keys(ws, b, h, qi, i, j0, s, sink);
+      return;
+    }
+    float* cv = ws.comp_val.ptr;
+    std::int32_t* ci = ws.comp_idx.ptr;
+    float* cp = ws.comp_p.ptr;
+    float* cds = ws.comp_ds.ptr;
+    float tile_max = 0.0f;
+    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/true);  // NaN rows diverted
+    const float d_row = ws.row_d.ptr[i];
+    const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
+    const DF d;
+    const DI di;
+    const VF vshift = hn::Set(d, ws.row_max.ptr[i]), ve1 = hn::Set(d, e1_), ve2 = hn::Set(d, e2_),
+             voffset = hn::Set(d, offset), vd = hn::Set(d, d_row), vscale = hn::Set(d, scale_);
+    const VI vj0 = hn::Set(di, static_cast<std::int32_t>(j0)), vlast = hn::Set(di, w_ - 1);
+    bool zero_p = false;  // some kept slot has P = 0
+    for (int t = 0; t < kept; t += lanes_) {
+      // P of the kept keys (masked slots: exp2(-inf) = 0) and their dO . V from the dP tile
+      // (padding slots point past the tile: clamped, their P is 0).
+      const VF arg = hn::Mul(hn::Mul(hn::Sub(hn::Load(d, cv + t), vshift), ve1), ve2);
+      const VF pv = exp2_clamped(hn::Sub(arg, voffset));
+      const VI local = hn::Min(hn::Sub(hn::LoadU(di, ci + t), vj0), vlast);
+      const VF dpv = hn::GatherIndex(d, dp_row, local);
+      const VF ds = hn::Mul(pv, hn::Sub(dpv, vd));
+      hn::Store(pv, d, cp + t);
+      hn::Store(hn::Mul(vscale, ds), d, cds + t);
+      zero_p = zero_p || !hn::AllFalse(d, hn::Eq(pv, hn::Zero(d)));
+    }
+    // Slots with P = 0 (masked keys, padding, underflow) contribute nothing and are dropped, not
+    // multiplied by 0: a masked key's K row or dP may be NaN or inf (as in the reference).
+    int live = kept;
+    if (zero_p) {
+      live = 0;
+      for (int t = 0; t < kept; ++t) {
+        if (cp[t] == 0.0f) continue;
+        cp[live] = cp[t], cds[live] = cds[t], ci[live] = ci[t];
+        ++live;
+      }
+    }
+    // dQ += scale dS K over the kept keys (a combination of K rows, the dQ row in registers).
+    const float* kr = ws.kr.ptr;
+    const int dp = dp_;
+    add_row_combination(
+        ws.acc.ptr + static_cast<std::int64_t>(i) * dp_, dp_, live, [cds](int t) { return cds[t]; },
+        [kr, ci, dp](int t) { return kr + static_cast<std::int64_t>(ci[t]) * dp; });
+    // P and dS go to the key-major block for accumulate_dk_dv.
+    float* pk = ws.p_keys.ptr;
+    float* dsk = ws.ds_keys.ptr;
+    for (int t = 0; t < live; ++t) {
+      const std::int64_t slot = (ci[t] - j0) * kRowsPerTask + i;  // live slots are keys of this tile
+      pk[slot] = cp[t];
+      dsk[slot] = cds[t];
+    }
+    if (p_.dbias != nullptr) {
+      for (int t = 0; t < live; ++t) {
+        const std::int64_t at = sink.at(b, h, qi, ci[t]);
+        const double prior = first ? 0.0 : core::load_as_double(sink.base, sink.type, at);
+        core::store_from_double(sink.base, sink.type, at, prior + static_cast<double>(cds[t]));
+      }
+    }
+  }
+
+  /// A NaN row against one key tile: P and dS are NaN at every key it keeps that is not masked (as
+  /// in the reference), so dK, dV (through the key-major block) and dBias turn NaN at exactly those
+  /// keys; its dQ row is written NaN by backward_tile. The kept keys come from the scalar rule.
+  void nan_row_keys(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
+                    const float* s, const dbias_sink& sink) const {
+    const int n = p_.pattern_n, m = p_.pattern_m;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const std::int64_t keys = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
+    for (int g = 0; g < keys; g += m) {
+      const std::uint32_t keep = n == m ? (1u << m) - 1u : select_group_generic(s + g, n, m);
+      for (int x = 0; x < m && g + x < keys; ++x) {
+        if (!((keep >> x) & 1u) || s[g + x] == -std::numeric_limits<float>::infinity()) continue;
+        const std::int64_t slot = static_cast<std::int64_t>(g + x) * kRowsPerTask + i;
+        ws.p_keys.ptr[slot] = nan;
+        ws.ds_keys.ptr[slot] = nan;
+        if (p_.dbias != nullptr) {
+          core::store_from_double(sink.base, sink.type, sink.at(b, h, qi, j0 + g + x), static_cast<double>(nan));
+        }
+      }
+    }
+  }
+
+  /// dV += P^T dO and dK += scale dS^T Q for the keys of the tile at j0, from the key-major block the
+  /// rows of the tile filled: per key, a combination over the query rows that kept it, so that each
+  /// dK and dV row is read and written once per (row tile, key tile) and pruned entries cost nothing.
+  void accumulate_dk_dv(workspace& ws, std::int64_t j0) const {
+    const std::int64_t keys = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
+    int rows[kRowsPerTask];
+    const float* dout = ws.dout.ptr;
+    const float* q = ws.q.ptr;
+    const int dp = dp_;
+    for (std::int64_t k = 0; k < keys; ++k) {
+      const float* pk = ws.p_keys.ptr + k * kRowsPerTask;
+      const float* dsk = ws.ds_keys.ptr + k * kRowsPerTask;
+      // Rows with P != 0: kept, unmasked and not underflowed (P = 0 contributes nothing to either),
+      // as a bit mask from vector compares, then its set bits in increasing order: a scalar test
+      // per row mispredicts on sparse patterns (it took 70% of this function for 1:2 on AVX2).
+      int n = 0;
+      if (kRowsPerTask % lanes_ == 0) {
+        const DF d;
+        std::uint64_t live = 0;
+        for (int r = 0; r < kRowsPerTask; r += lanes_) {
+          std::uint64_t bits = 0;
+          // Not(Eq): a NaN P (a NaN row's kept key) counts as live; Highway's Ne is ordered (false for NaN).
+          hn::StoreMaskBits(d, hn::Not(hn::Eq(hn::Load(d, pk + r), hn::Zero(d))), reinterpret_cast<std::uint8_t*>(&bits));
+          live |= bits << r;
+        }
+        for (; live != 0; live &= live - 1) rows[n++] = static_cast<int>(hwy::Num0BitsBelowLS1Bit_Nonzero64(live));
+      } else {
+        for (int r = 0; r < kRowsPerTask; ++r) {
+          if (pk[r] != 0.0f) rows[n++] = r;
+        }
+      }
+      if (n == 0) continue;
+      const std::int64_t j = j0 + k;
+      add_row_combination(
+          ws.dv.ptr + j * dp_, dp_, n, [pk, &rows](int t) { return pk[rows[t]]; },
+          [dout, &rows, dp](int t) { return dout + static_cast<std::int64_t>(rows[t]) * dp; });
+      add_row_combination(
+          ws.dk.ptr + j * dp_, dp_, n, [dsk, &rows](int t) { return dsk[rows[t]]; },
+          [q, &rows, dp](int t) { return q + static_cast<std::int64_t>(rows[t]) * dp; });
+    }
+  }
+};
+
+status backward_entry(const attention_params& p) {
+  if (!kernel<float>::fits_int32(p)) {
+    return {status_code::unsupported, "dfss cpu simd backward: more than 2^31 packed key elements per head"};
+  }
+  if (p.o == nullptr || p.lse == nullptr) {
+    return {status_code::internal, "dfss cpu simd backward: called without the forward's output and LSE"};
+  }
+  switch (p.input_type) {
+    case dtype::f32: backward_pass<float>(p).run(); break;
+    case dtype::f16: backward_pass<half>(p).run(); break;
+    case dtype::bf16: backward_pass<bfloat16>(p).run(); break;
+    default:
+      return {status_code::unsupported, std::string("dfss cpu simd backward: input type ") + dtype_name(p.input_type)};
+  }
+  return status::success();
+}
+
+#else  // the static baseline target: never dispatched to (see targets.hpp)
+
+status backward_entry(const attention_params&) {
+  return {status_code::unsupported, "dfss cpu simd backward: no kernel for the baseline target"};
+}
+
+#endif  // DFSS_SIMD_KERNEL_TARGET
+
+}  // namespace dfss::cpu::simd::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "cpu/simd/dispatch.hpp"
+
+namespace dfss::cpu {
+namespace simd {
+HWY_EXPORT(backward_entry);
+}  // namespace simd
+
+status fused_backward_simd(const attention_params& p, simd_target t) noexcept {
+  const auto fn = simd::dispatch_entry(simd::HWY_DISPATCH_TABLE(backward_entry), t);
+  if (fn == nullptr) {
+    return {status_code::unsupported,
+            std::string("dfss cpu simd backward: this build has no ") + simd_target_name(t) + " kernel"};
+  }
+  try {
+    return fn(p);
+  } catch (const std::bad_alloc&) {
+    return {status_code::internal, "dfss cpu simd backward: out of memory for the packed keys and values"};
+  } catch (const std::exception& e) {
+    return {status_code::internal, std::string("dfss cpu simd backward: ") + e.what()};
+  }
+}
+
+}  // namespace dfss::cpu
+#endif  // HWY_ONCE

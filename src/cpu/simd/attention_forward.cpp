@@ -1,0 +1,248 @@
+// The fused DFSS forward (flash style) over Google Highway, compiled once per SIMD target
+// (targets.hpp says which) and dispatched at run time to the target the caller names.
+//
+// Work is split into tasks of kRowsPerTask query rows of one (batch, head); a worker packs the K and
+// V of the (batch, kv head) it works on once (kernel_parts-inl.h). Per task and key tile of W keys
+// (W a multiple of the panel width P = 2 vectors and of M, at least 64):
+//   1. S = Q K^T for the task's rows with the register-blocked micro-kernel (kMicroRows x P). Q is
+//      not pre-scaled: unscaled scores of integer inputs are exact, so selections (ties included)
+//      match the reference exactly; the scale enters the exp2 argument as scale (s - max) log2(e)
+//      instead, which stays accurate for scores up to float max (docs/semantics.md, "Non-finite and
+//      extreme inputs").
+//   2. Per row: bias, masks (-inf), then the N:M selection, which also compacts the kept scores and
+//      their key indices, and the tile's maximum (the maximum of a group is always kept, so the
+//      maximum over all scores is the maximum over the kept ones): the online softmax update.
+//   3. exp2 of the compacted scores only (half the exponentials for 1:2 and 2:4), and
+//      acc += p * V[index] over the kept keys only, with the accumulator row in registers.
+// A row with a NaN or +inf score (only possible with a bias or with non-finite or huge inputs,
+// flagged per task while packing) is written as NaN. Dense (N = M) runs the same code with an
+// identity selection, so the sparsity's own speedup is measured against an equally optimised
+// dense kernel. Every row is computed by one worker in a fixed order: results are bitwise
+// identical for any thread count.
+#include "cpu/simd/targets.hpp"  // first: it fixes the compiled targets
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/simd/attention_forward.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "cpu/simd/kernel_parts-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace dfss::cpu::simd::HWY_NAMESPACE {
+
+#if DFSS_SIMD_KERNEL_TARGET
+
+template <typename T>
+class forward_pass : public kernel<T> {
+ public:
+  using base = kernel<T>;
+  using base::base;
+
+  void run() const {
+    const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
+    const std::int64_t tasks = p_.batch * p_.heads * q_tiles;
+    // Causal tasks differ in cost: hand them out one at a time. Otherwise contiguous chunks let
+    // each worker pack each (batch, kv head) once.
+    parallel_for(
+        tasks, p_.num_threads, p_.causal ? schedule::dynamic : schedule::contiguous,
+        [&] { this->reserve(worker_scratch<workspace>(), /*backward=*/false); },
+        [&](std::int64_t t) { task(worker_scratch<workspace>(), t, q_tiles); });
+  }
+
+ private:
+  using base::d_;
+  using base::dp_;
+  using base::e1_;
+  using base::e2_;
+  using base::group_;
+  using base::lanes_;
+  using base::p_;
+  using base::scale_;
+  using base::w_;
+  using base::zero_row_;
+
+  void task(workspace& ws, std::int64_t t, std::int64_t q_tiles) const {
+    const std::int64_t qt = t % q_tiles;
+    const std::int64_t h = (t / q_tiles) % p_.heads;
+    const std::int64_t b = t / (q_tiles * p_.heads);
+    const std::int64_t hk = h / group_;
+    const std::int64_t i0 = qt * kRowsPerTask;
+    const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
+    const int rows_mk = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
+    this->pack_head(ws, b, hk);
+
+    float* q = ws.q.ptr;
+    ws.risky = ws.kv_risky || p_.bias != nullptr;
+    for (int i = 0; i < rows_mk; ++i) {
+      this->load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
+      ws.risky = ws.risky || !this->row_is_tame(q + i * dp_);
+    }
+    std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
+    std::int64_t tile_end = 0;  // keys beyond the last visible key of any row of the task are skipped
+    for (int i = 0; i < rows; ++i) {
+      ws.row_max.ptr[i] = -std::numeric_limits<float>::infinity();
+      ws.row_sum.ptr[i] = 0.0f;
+      ws.row_nan.ptr[i] = 0;
+      tile_end = std::max(tile_end, this->key_limit(b, i0 + i));
+    }
+
+    for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
+      this->tile_product(q, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
+      for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0);
+    }
+
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int i = 0; i < rows; ++i) {
+      const float mx = ws.row_max.ptr[i], sum = ws.row_sum.ptr[i];
+      const bool is_nan = ws.row_nan.ptr[i] != 0;
+      const bool empty = mx == -std::numeric_limits<float>::infinity();
+      const float inv = empty ? 0.0f : 1.0f / sum;
+      const float* acc = ws.acc.ptr + i * dp_;
+      for (int c = 0; c < d_; ++c) {
+        core::store_from_double(p_.o, p_.output_type, core::offset4(p_.o_stride, b, i0 + i, h, c),
+                                static_cast<double>(is_nan ? nan : acc[c] * inv));
+      }
+      if (p_.lse != nullptr) {
+        // scale * max overflows to +-inf exactly where the reference's LSE, rounded to fp32, does.
+        const float lse =
+            is_nan ? nan : (empty ? -std::numeric_limits<float>::infinity() : scale_ * mx + std::log2(sum) * kLn2);
+        core::store_from_double(p_.lse, p_.lse_type,
+                                b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2],
+                                static_cast<double>(lse));
+      }
+    }
+  }
+
+  /// exp(scale (x - max)) of the @p kept compacted scores @p cv, in place; returns their sum. Key
+  /// indices @p ci become element offsets into the packed V here (one multiply per vector instead
+  /// of one per key in the P V loop). Only a tile that holds masked keys (@p masked_tile: a
+  /// boundary tile, or any tile with a bias, which may be -inf) can keep a -inf slot: there it
+  /// becomes 0 and points at the zero row. The exponent is (x - max) e1 (times e2 when Split):
+  /// x - max is exact when it matters (Sterbenz) and at most 0, so huge scores keep accurate
+  /// weights; the form x c - max c would cancel away eps |c max| of them.
+  template <bool Split>
+  HWY_INLINE float exp_kept(float* cv, std::int32_t* ci, int kept, float mx, bool masked_tile) const {
+    const DF d;
+    const DI di;
+    const VF vmx = hn::Set(d, mx), ve1 = hn::Set(d, e1_), ve2 = hn::Set(d, e2_);
+    const VI vdp = hn::Set(di, dp_);
+    VF vsum = hn::Zero(d);
+    if (masked_tile) {
+      const VI vzero_row = hn::Set(di, zero_row_ * dp_);
+      const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+      for (int t = 0; t < kept; t += lanes_) {
+        const VF x = hn::Load(d, cv + t);
+        VF y = hn::Mul(hn::Sub(x, vmx), ve1);
+        if constexpr (Split) y = hn::Mul(y, ve2);
+        const VF e = exp2_poly(y);
+        hn::Store(e, d, cv + t);
+        vsum = hn::Add(vsum, e);
+        const auto masked = hn::RebindMask(di, hn::Eq(x, neg_inf));
+        const VI off = hn::Mul(hn::LoadU(di, ci + t), vdp);
+        hn::StoreU(hn::IfThenElse(masked, vzero_row, off), di, ci + t);
+      }
+    } else {
+      for (int t = 0; t < kept; t += lanes_) {
+        VF y = hn::Mul(hn::Sub(hn::Load(d, cv + t), vmx), ve1);
+        if constexpr (Split) y = hn::Mul(y, ve2);
+        const VF e = exp2_poly(y);
+        hn::Store(e, d, cv + t);
+        vsum = hn::Add(vsum, e);
+        hn::StoreU(hn::Mul(hn::LoadU(di, ci + t), vdp), di, ci + t);
+      }
+    }
+    return hn::GetLane(hn::SumOfLanes(d, vsum));
+  }
+
+  /// Always inlined into task, as the AVX2 kernel this replaces did (GCC 12 otherwise keeps it out
+  /// of line, and the call per row and tile measured a few percent of the dense forward).
+  HWY_INLINE void row_epilogue(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0) const {
+    const std::int64_t lim = this->key_limit(b, qi);
+    if (j0 >= lim) return;  // the whole tile is masked for this row
+    float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    this->bias_and_mask(s, b, h, qi, j0, lim);
+
+    // A NaN or +inf score can only come from non-finite or huge inputs (flagged while packing) or a
+    // bias; the row's output is then NaN whatever the arithmetic below does with it.
+    const bool nan_or_inf = ws.risky && this->row_has_nan_or_inf(s);
+    if (nan_or_inf) ws.row_nan.ptr[i] = 1;
+
+    float* cv = ws.comp_val.ptr;
+    std::int32_t* ci = ws.comp_idx.ptr;
+    float tile_max = neg_inf;
+    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf);
+    if (tile_max == neg_inf) return;
+    float& mx = ws.row_max.ptr[i];
+    float& sum = ws.row_sum.ptr[i];
+    float* acc = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
+    if (tile_max > mx) {
+      const float corr = mx == neg_inf ? 0.0f : std::exp2(((mx - tile_max) * e1_) * e2_);
+      const DF d;
+      const VF vc = hn::Set(d, corr);
+      for (int c = 0; c < dp_; c += lanes_) hn::Store(hn::Mul(vc, hn::Load(d, acc + c)), d, acc + c);
+      sum *= corr;
+      mx = tile_max;
+    }
+
+    // exp(scale (x - max)) of the kept scores; the second multiply only for a scale above
+    // float max / log2(e).
+    const bool masked_tile = j0 + w_ > lim || p_.bias != nullptr;
+    sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_tile) : exp_kept<true>(cv, ci, kept, mx, masked_tile);
+
+    // acc += p * V[index] over the kept keys (ci holds element offsets now).
+    const float* vp = ws.vp.ptr;
+    add_row_combination(
+        acc, dp_, kept, [cv](int t) { return cv[t]; }, [vp, ci](int t) { return vp + ci[t]; });
+  }
+};
+
+status forward_entry(const attention_params& p) {
+  if (!kernel<float>::fits_int32(p)) return fused_forward_scalar(p);  // int32 offsets would overflow: the scalar twin
+  switch (p.input_type) {
+    case dtype::f32: forward_pass<float>(p).run(); break;
+    case dtype::f16: forward_pass<half>(p).run(); break;
+    case dtype::bf16: forward_pass<bfloat16>(p).run(); break;
+    default:
+      return {status_code::unsupported, std::string("dfss cpu simd fused forward: input type ") +
+                                            dtype_name(p.input_type) + " (takes f32, f16, bf16)"};
+  }
+  return status::success();
+}
+
+#else  // the static baseline target: never dispatched to (see targets.hpp)
+
+status forward_entry(const attention_params&) {
+  return {status_code::unsupported, "dfss cpu simd fused forward: no kernel for the baseline target"};
+}
+
+#endif  // DFSS_SIMD_KERNEL_TARGET
+
+}  // namespace dfss::cpu::simd::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "cpu/simd/dispatch.hpp"
+
+namespace dfss::cpu {
+namespace simd {
+HWY_EXPORT(forward_entry);
+}  // namespace simd
+
+status fused_forward_simd(const attention_params& p, simd_target t) noexcept {
+  const auto fn = simd::dispatch_entry(simd::HWY_DISPATCH_TABLE(forward_entry), t);
+  if (fn == nullptr) {
+    return {status_code::unsupported,
+            std::string("dfss cpu simd fused forward: this build has no ") + simd_target_name(t) + " kernel"};
+  }
+  try {
+    return fn(p);
+  } catch (const std::bad_alloc&) {
+    return {status_code::internal, "dfss cpu simd fused forward: out of memory for the packed keys and values"};
+  } catch (const std::exception& e) {
+    return {status_code::internal, std::string("dfss cpu simd fused forward: ") + e.what()};
+  }
+}
+
+}  // namespace dfss::cpu
+#endif  // HWY_ONCE

@@ -1,0 +1,46 @@
+// Run-time dispatch to one named Highway target, without Highway's global "chosen target" state:
+// the selector decides which target runs (tests force each one, users pass --isa), and this picks
+// that target's entry out of the table HWY_EXPORT built. Included in HWY_ONCE sections only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/simd/targets.hpp"
+#include "hwy/highway.h"
+
+namespace dfss::cpu::simd {
+
+/// Highway's bit of @p t (HWY_AVX2, ...); 0 for a target of another architecture.
+inline std::int64_t target_bit(simd_target t) noexcept {
+  switch (t) {
+#if HWY_ARCH_X86
+    case simd_target::sse4: return HWY_SSE4;
+    case simd_target::avx2: return HWY_AVX2;
+    case simd_target::avx3: return HWY_AVX3;
+#endif
+#if HWY_ARCH_ARM
+    case simd_target::neon: return HWY_NEON;
+    case simd_target::sve: return HWY_SVE;
+    case simd_target::sve2: return HWY_SVE2;
+#endif
+    default: return 0;
+  }
+}
+
+/// The entry of @p table (an HWY_EXPORT dispatch table of this translation unit) compiled for
+/// @p t, or nullptr when this build did not compile that target. Highway's table holds an
+/// initialising entry first, then one per dynamic target in the order of their bits.
+template <typename F, std::size_t N>
+F dispatch_entry(F const (&table)[N], simd_target t) noexcept {
+  const std::int64_t bit = target_bit(t);
+  if (bit == 0 || (HWY_TARGETS & bit) == 0) return nullptr;
+  if constexpr (N == 1) {
+    return bit == HWY_STATIC_TARGET ? table[0] : nullptr;  // a build with one target
+  } else {
+    const std::size_t index = hwy::Num0BitsBelowLS1Bit_Nonzero64(static_cast<std::uint64_t>(HWY_CHOSEN_TARGET_SHIFT(bit)));
+    return index < N ? table[index] : nullptr;
+  }
+}
+
+}  // namespace dfss::cpu::simd

@@ -1,0 +1,726 @@
+// What the SIMD forward (attention_forward.cpp) and backward (attention_backward.cpp) share, written
+// once over Google Highway and compiled once per target by hwy/foreach_target.h: the per-thread
+// scratch, packing of K and V, the Q K^T micro-kernel, bias and masks, the N:M selection with
+// compaction of the kept scores, the exp2 polynomial, and the online softmax update. The backward
+// must keep exactly the keys its forward kept, and near-ties are decided by fp32 rounding, so both
+// directions run these functions (same source, same target flags, -ffp-contract=off), never a copy.
+//
+// Layout, per (batch, kv head), packed by each thread once, in fp32 with the head dimension padded
+// to dp (a multiple of the vector length):
+//   Kt: [lk_pad / P][dp][P]   P-key panels (P = 2 vectors of floats), transposed, for Q K^T;
+//   Vp: [lk_pad + 1][dp]      value rows; rows >= Lk are zero (row lk_pad is the "zero row").
+// lk_pad is Lk rounded up to the key tile width W. Extra memory is O(threads x Lk x d).
+//
+// Per-target include guard (the Highway convention): this file is included once per target.
+#if defined(DFSS_CPU_SIMD_KERNEL_PARTS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef DFSS_CPU_SIMD_KERNEL_PARTS_INL_H_
+#undef DFSS_CPU_SIMD_KERNEL_PARTS_INL_H_
+#else
+#define DFSS_CPU_SIMD_KERNEL_PARTS_INL_H_
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <numeric>
+#include <type_traits>
+
+#include "core/element_access.hpp"
+#include "cpu/fused_common.hpp"
+#include "cpu/scalar/attention.hpp"
+#include "cpu/parallel.hpp"
+#include "cpu/simd/targets.hpp"
+#include "dfss/format/nm_select.hpp"
+#include "dfss/mask/visibility.hpp"
+#include "dfss/numeric.hpp"
+#include "hwy/highway.h"
+
+// Shared across targets (defined once, outside the per-target namespace).
+#ifndef DFSS_CPU_SIMD_KERNEL_COMMON_ONCE_
+#define DFSS_CPU_SIMD_KERNEL_COMMON_ONCE_
+namespace dfss::cpu::simd {
+
+/// Query rows per task: enough to amortise the per-tile setup and small enough that the task's Q
+/// (32 x dp), S (32 x W) and accumulators (32 x dp) stay in L1/L2 for d = 64. A multiple of every
+/// micro-kernel height (4 and 8).
+inline constexpr int kRowsPerTask = 32;
+/// Minimum key tile width; the real width is a multiple of lcm(M, P) at least this wide. 64 keys of
+/// K (16 KiB at d = 64) fit in L1 next to the S tile; 32 and 128 measured slower for dense at d = 64
+/// with the AVX2 kernel this one replaces.
+inline constexpr int kMinKeyTile = 64;
+using fused::kDirectLseLimit;  // shared with the scalar twin (cpu/fused_common.hpp)
+using fused::kLn2;
+using fused::kLog2e;
+/// Buffer alignment: a whole vector of the widest target (2048-bit SVE), so every Load is aligned.
+inline constexpr std::size_t kAlign = 256;
+
+/// Key tile width for group size @p m and panel width @p panel: a multiple of the panel (the
+/// micro-kernel width) and of M (so groups never straddle tiles), at least kMinKeyTile.
+inline int key_tile_width(int m, int panel) {
+  const int l = m / std::gcd(m, panel) * panel;
+  return (kMinKeyTile + l - 1) / l * l;
+}
+
+/// kAlign-aligned scratch that only grows; consistent (empty) after a failed allocation.
+template <typename E>
+struct aligned_buffer {
+  E* ptr = nullptr;
+  std::size_t size = 0;
+  aligned_buffer() = default;
+  aligned_buffer(const aligned_buffer&) = delete;
+  aligned_buffer& operator=(const aligned_buffer&) = delete;
+  void resize(std::size_t n) {
+    if (n <= size) return;
+    std::free(ptr);
+    size = 0;
+    ptr = static_cast<E*>(std::aligned_alloc(kAlign, (n * sizeof(E) + kAlign - 1) / kAlign * kAlign));
+    if (ptr == nullptr) throw std::bad_alloc();
+    size = n;
+  }
+  ~aligned_buffer() { std::free(ptr); }
+};
+
+/// Per-thread state (worker_scratch): the packed keys and values of one (batch, kv head) and the
+/// task scratch. It lives as long as the thread, so repeated calls reuse its pages.
+struct workspace {
+  std::int64_t packed_b = -1, packed_hk = -1;
+  const void* packed_for = nullptr;  ///< the call (its params) the packed head belongs to
+  bool kv_risky = false;  ///< the packed K or V holds a non-finite or huge value
+  bool risky = false;     ///< the current task can produce NaN or +inf scores
+  aligned_buffer<float> kt, vp, pack, q, s, acc, comp_val, row_max, row_sum;
+  aligned_buffer<std::int32_t> comp_idx, row_nan;
+  // Backward only: K rows, dK and dV accumulators of the (batch, kv head), V^T panels, the dO tile
+  // and its dP = dO V^T tile, per-row D = rowsum(dO * O) and LSE * log2(e), the kept probabilities
+  // and scaled dS of one row, and the key-major P and scaled dS of one (row tile, key tile) block.
+  aligned_buffer<float> kr, dk, dv, vt, dout, dps, row_d, row_lse2, comp_p, comp_ds, p_keys, ds_keys;
+  aligned_buffer<float> dbias_acc;  ///< fp32 sum of a shared 16-bit dBias slice
+};
+
+/// The generic N:M selection, called out of line (compiled once, without any target's flags).
+[[gnu::noinline]] inline std::uint32_t select_group_generic(const float* s, int n, int m) {
+  return nm_select_group<float>(s, m, n, m);
+}
+
+}  // namespace dfss::cpu::simd
+#endif  // DFSS_CPU_SIMD_KERNEL_COMMON_ONCE_
+
+HWY_BEFORE_NAMESPACE();
+namespace dfss::cpu::simd::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using DI = hn::RebindToSigned<DF>;
+using VF = hn::Vec<DF>;
+using VI = hn::Vec<DI>;
+
+/// Whether this target is one the kernels are written for. The static baseline Highway always
+/// compiles (HWY_SCALAR / HWY_EMU128: 1-lane or emulated vectors) gets an empty stub instead.
+#undef DFSS_SIMD_KERNEL_TARGET
+#if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
+#define DFSS_SIMD_KERNEL_TARGET 0
+#else
+#define DFSS_SIMD_KERNEL_TARGET 1
+#endif
+
+#if DFSS_SIMD_KERNEL_TARGET
+
+/// Query rows per Q K^T micro-kernel call: the accumulators are rows x 2 vectors, plus 2 panel
+/// vectors and 1 broadcast. 4 rows (8 + 3 registers) on the 16-register targets (SSE4, AVX2); 8
+/// rows (16 + 3) where there are 32 registers (AVX-512, NEON and SVE on AArch64), which halves the
+/// panel loads per FMA.
+#if HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2
+inline constexpr int kMicroRows = 4;
+#else
+inline constexpr int kMicroRows = 8;
+#endif
+
+/// 2^x for x <= 127 (a larger x would wrap the exponent field): the forward's exponents
+/// scale (s - max) log2(e) are <= 0 by construction, the backward clamps its own (exp2_clamped).
+/// Below -125 the result flushes to 0: the true value is under 2.4e-38 while the row's largest term
+/// is 1. Degree-7 Taylor polynomial of 2^f on |f| <= 0.5 (f = x - round(x)): truncation error 5e-9
+/// relative, below half an fp32 ulp. A NaN x gives an unspecified value: the forward flags NaN rows
+/// separately and writes them as NaN, the backward uses exp2_clamped.
+HWY_INLINE VF exp2_poly(VF x) {
+  const DF d;
+  const DI di;
+  const VF lo = hn::Set(d, -125.0f);
+  const auto under = hn::Lt(x, lo);
+  x = hn::IfThenElse(under, lo, x);
+  // n = round(x) (to nearest even) and its integer bits by the 1.5 * 2^23 trick (exact for
+  // |x| < 2^22): cheaper than Round + ConvertTo, whose overflow fix-ups cost 4 more instructions per
+  // vector in Highway 1.0.3 (measured 2% of the dense forward on AVX2); x is in [-125, 127] here.
+  const VF magic = hn::Set(d, 12582912.0f);
+  const VF shifted = hn::Add(x, magic);
+  const VF n = hn::Sub(shifted, magic);
+  const VF f = hn::Sub(x, n);
+  VF p = hn::Set(d, 1.5252734e-05f);
+  p = hn::MulAdd(p, f, hn::Set(d, 1.5403530e-04f));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.3333558e-03f));
+  p = hn::MulAdd(p, f, hn::Set(d, 9.6181291e-03f));
+  p = hn::MulAdd(p, f, hn::Set(d, 5.5504109e-02f));
+  p = hn::MulAdd(p, f, hn::Set(d, 2.4022651e-01f));
+  p = hn::MulAdd(p, f, hn::Set(d, 6.9314718e-01f));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+  const VI e = hn::ShiftLeft<23>(hn::Sub(hn::BitCast(di, shifted), hn::BitCast(di, magic)));
+  const VF r = hn::BitCast(d, hn::Add(hn::BitCast(di, p), e));
+  return hn::IfThenZeroElse(under, r);
+}
+
+/// exp2_poly for any x: above 127 it saturates at 2^127 (the backward's scale s - LSE exceeds 0
+/// only by rounding, unless the caller's LSE is not the forward's); a NaN stays NaN.
+HWY_INLINE VF exp2_clamped(VF x) {
+  const DF d;
+  const VF r = exp2_poly(hn::Min(x, hn::Set(d, 127.0f)));
+  return hn::IfThenElse(hn::IsNaN(x), x, r);
+}
+
+/// S[R][P] (row stride lds) = Q[R][dp] (row stride ldq) x Kt panel [dp][P], P = 2 vectors. The
+/// accumulators are named variables (not an array) so that the code also compiles for SVE, whose
+/// vectors are sizeless. Sums run over c in increasing order, one MulAdd per term.
+template <int R>
+HWY_INLINE void microkernel(const float* HWY_RESTRICT q, std::int64_t ldq, const float* HWY_RESTRICT kt, int dp,
+                            float* HWY_RESTRICT s, std::int64_t lds) {
+  static_assert(R == 4 || R == 8, "micro-kernel heights 4 and 8");
+  const DF d;
+  const std::size_t L = hn::Lanes(d);
+  const std::size_t P = 2 * L;
+  VF c00 = hn::Zero(d), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+  VF c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
+  for (int c = 0; c < dp; ++c) {
+    const VF b0 = hn::Load(d, kt + c * P);
+    const VF b1 = hn::Load(d, kt + c * P + L);
+    VF a = hn::Set(d, q[c]);
+    c00 = hn::MulAdd(a, b0, c00);
+    c01 = hn::MulAdd(a, b1, c01);
+    a = hn::Set(d, q[ldq + c]);
+    c10 = hn::MulAdd(a, b0, c10);
+    c11 = hn::MulAdd(a, b1, c11);
+    a = hn::Set(d, q[2 * ldq + c]);
+    c20 = hn::MulAdd(a, b0, c20);
+    c21 = hn::MulAdd(a, b1, c21);
+    a = hn::Set(d, q[3 * ldq + c]);
+    c30 = hn::MulAdd(a, b0, c30);
+    c31 = hn::MulAdd(a, b1, c31);
+    if constexpr (R == 8) {
+      a = hn::Set(d, q[4 * ldq + c]);
+      c40 = hn::MulAdd(a, b0, c40);
+      c41 = hn::MulAdd(a, b1, c41);
+      a = hn::Set(d, q[5 * ldq + c]);
+      c50 = hn::MulAdd(a, b0, c50);
+      c51 = hn::MulAdd(a, b1, c51);
+      a = hn::Set(d, q[6 * ldq + c]);
+      c60 = hn::MulAdd(a, b0, c60);
+      c61 = hn::MulAdd(a, b1, c61);
+      a = hn::Set(d, q[7 * ldq + c]);
+      c70 = hn::MulAdd(a, b0, c70);
+      c71 = hn::MulAdd(a, b1, c71);
+    }
+  }
+  hn::Store(c00, d, s);
+  hn::Store(c01, d, s + L);
+  hn::Store(c10, d, s + lds);
+  hn::Store(c11, d, s + lds + L);
+  hn::Store(c20, d, s + 2 * lds);
+  hn::Store(c21, d, s + 2 * lds + L);
+  hn::Store(c30, d, s + 3 * lds);
+  hn::Store(c31, d, s + 3 * lds + L);
+  if constexpr (R == 8) {
+    hn::Store(c40, d, s + 4 * lds);
+    hn::Store(c41, d, s + 4 * lds + L);
+    hn::Store(c50, d, s + 5 * lds);
+    hn::Store(c51, d, s + 5 * lds + L);
+    hn::Store(c60, d, s + 6 * lds);
+    hn::Store(c61, d, s + 6 * lds + L);
+    hn::Store(c70, d, s + 7 * lds);
+    hn::Store(c71, d, s + 7 * lds + L);
+  }
+}
+
+/// acc[0, NV vectors) += sum over t < n of weight(t) * row(t)[0, NV vectors), the accumulator held
+/// in NV <= 8 registers (read and written once per call). Two terms per iteration when @p n is
+/// even (the forward's kept counts always are), in increasing t either way.
+template <int NV, typename Weight, typename Row>
+HWY_INLINE void add_rows(float* HWY_RESTRICT acc, int n, const Weight& weight, const Row& row) {
+  const DF d;
+  const std::size_t L = hn::Lanes(d);
+  VF a0 = hn::Load(d, acc), a1 = hn::Zero(d), a2 = a1, a3 = a1, a4 = a1, a5 = a1, a6 = a1, a7 = a1;
+  if constexpr (NV > 1) a1 = hn::Load(d, acc + L);
+  if constexpr (NV > 2) a2 = hn::Load(d, acc + 2 * L);
+  if constexpr (NV > 3) a3 = hn::Load(d, acc + 3 * L);
+  if constexpr (NV > 4) a4 = hn::Load(d, acc + 4 * L);
+  if constexpr (NV > 5) a5 = hn::Load(d, acc + 5 * L);
+  if constexpr (NV > 6) a6 = hn::Load(d, acc + 6 * L);
+  if constexpr (NV > 7) a7 = hn::Load(d, acc + 7 * L);
+#define DFSS_ADD_ROW_TERM(W, X)                                     \
+  a0 = hn::MulAdd(W, hn::Load(d, X), a0);                           \
+  if constexpr (NV > 1) a1 = hn::MulAdd(W, hn::Load(d, X + L), a1); \
+  if constexpr (NV > 2) a2 = hn::MulAdd(W, hn::Load(d, X + 2 * L), a2); \
+  if constexpr (NV > 3) a3 = hn::MulAdd(W, hn::Load(d, X + 3 * L), a3); \
+  if constexpr (NV > 4) a4 = hn::MulAdd(W, hn::Load(d, X + 4 * L), a4); \
+  if constexpr (NV > 5) a5 = hn::MulAdd(W, hn::Load(d, X + 5 * L), a5); \
+  if constexpr (NV > 6) a6 = hn::MulAdd(W, hn::Load(d, X + 6 * L), a6); \
+  if constexpr (NV > 7) a7 = hn::MulAdd(W, hn::Load(d, X + 7 * L), a7);
+  int t = 0;
+  if (n % 2 == 0) {
+    for (; t < n; t += 2) {
+      const float* x = row(t);
+      const float* u = row(t + 1);
+      const VF wx = hn::Set(d, weight(t));
+      const VF wu = hn::Set(d, weight(t + 1));
+      DFSS_ADD_ROW_TERM(wx, x)
+      DFSS_ADD_ROW_TERM(wu, u)
+    }
+  } else {
+    for (; t < n; ++t) {
+      const float* x = row(t);
+      const VF wx = hn::Set(d, weight(t));
+      DFSS_ADD_ROW_TERM(wx, x)
+    }
+  }
+#undef DFSS_ADD_ROW_TERM
+  hn::Store(a0, d, acc);
+  if constexpr (NV > 1) hn::Store(a1, d, acc + L);
+  if constexpr (NV > 2) hn::Store(a2, d, acc + 2 * L);
+  if constexpr (NV > 3) hn::Store(a3, d, acc + 3 * L);
+  if constexpr (NV > 4) hn::Store(a4, d, acc + 4 * L);
+  if constexpr (NV > 5) hn::Store(a5, d, acc + 5 * L);
+  if constexpr (NV > 6) hn::Store(a6, d, acc + 6 * L);
+  if constexpr (NV > 7) hn::Store(a7, d, acc + 7 * L);
+}
+
+/// acc[0, dp) += sum over t < n of weight(t) * row(t)[0, dp), 8 vectors of columns at a time (a
+/// whole d = 64 row on AVX2, d = 128 on AVX-512): the P V product of the forward (over a row's kept
+/// keys) and the dQ, dK, dV products of the backward. row(t) must be dp-aligned rows.
+template <typename Weight, typename Row>
+HWY_INLINE void add_row_combination(float* acc, int dp, int n, const Weight& weight, const Row& row) {
+  const DF d;
+  const int L = static_cast<int>(hn::Lanes(d));
+  for (int c0 = 0; c0 < dp; c0 += 8 * L) {
+    const auto shifted = [&](int t) { return row(t) + c0; };
+    switch (std::min(8, (dp - c0) / L)) {
+      case 1: add_rows<1>(acc + c0, n, weight, shifted); break;
+      case 2: add_rows<2>(acc + c0, n, weight, shifted); break;
+      case 3: add_rows<3>(acc + c0, n, weight, shifted); break;
+      case 4: add_rows<4>(acc + c0, n, weight, shifted); break;
+      case 5: add_rows<5>(acc + c0, n, weight, shifted); break;
+      case 6: add_rows<6>(acc + c0, n, weight, shifted); break;
+      case 7: add_rows<7>(acc + c0, n, weight, shifted); break;
+      default: add_rows<8>(acc + c0, n, weight, shifted); break;
+    }
+  }
+}
+
+/// A total-order key of a score for the N:M ranking (dfss/format/nm_select.hpp): signed integers
+/// that compare as the ranking does. +0 and -0 map to the same key (x + 0 turns -0 into +0), every
+/// NaN to INT32_MAX (NaN ranks above every number; two NaNs tie), numbers by signed value.
+HWY_INLINE VI rank_key(VF x) {
+  const DF d;
+  const DI di;
+  const VI bits = hn::BitCast(di, hn::Add(x, hn::Zero(d)));
+  const VI key = hn::Xor(bits, hn::And(hn::ShiftRight<31>(bits), hn::Set(di, 0x7fffffff)));
+  return hn::IfThenElse(hn::RebindMask(di, hn::IsNaN(x)), hn::Set(di, std::numeric_limits<std::int32_t>::max()), key);
+}
+
+/// f16 -> f32 for every f16 value. Where the CPU converts natively (F16C on AVX2 and AVX3, NEON,
+/// SVE) Highway's PromoteTo does; on SSE4 Highway 1.0.3 emulates it without inf and NaN (they come
+/// out as finite numbers near 2^16), so there the bits are widened here: the exponent and mantissa
+/// shifted into place and scaled by 2^(127 - 15) (exact for normal and subnormal halves), with
+/// exponent 31 (inf, NaN) mapped to 255.
+template <class DH>
+HWY_INLINE VF promote_f16(DH dh, const hwy::float16_t* HWY_RESTRICT src) {
+  const DF d;
+#if HWY_TARGET == HWY_SSE4
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<std::uint16_t, DF> du16;
+  (void)dh;
+  const auto h = hn::PromoteTo(du, hn::LoadU(du16, reinterpret_cast<const std::uint16_t*>(src)));
+  const auto em = hn::And(h, hn::Set(du, 0x7fffu));
+  const auto sign = hn::ShiftLeft<16>(hn::And(h, hn::Set(du, 0x8000u)));
+  const auto shifted = hn::ShiftLeft<13>(em);
+  const VF finite = hn::Mul(hn::BitCast(d, shifted), hn::Set(d, 0x1p112f));
+  const VF special = hn::BitCast(d, hn::Or(shifted, hn::Set(du, 0x7f800000u)));
+  const auto is_special = hn::RebindMask(d, hn::Gt(hn::BitCast(DI(), em), hn::Set(DI(), 0x7bff)));
+  return hn::Or(hn::IfThenElse(is_special, special, finite), hn::BitCast(d, sign));
+#else
+  return hn::PromoteTo(d, hn::LoadU(dh, src));
+#endif
+}
+
+/// Shared state and code of the forward and backward of one call, for input element type T.
+template <typename T>
+struct kernel {
+  explicit kernel(const attention_params& p)
+      : p_(p),
+        d_(static_cast<int>(p.head_dim)),
+        lanes_(static_cast<int>(hn::Lanes(DF()))),
+        panel_(2 * lanes_),
+        dp_((d_ + lanes_ - 1) / lanes_ * lanes_),
+        w_(key_tile_width(p.pattern_m, panel_)),
+        lk_pad_((p.seqlen_k + w_ - 1) / w_ * w_),
+        zero_row_(static_cast<std::int32_t>(lk_pad_)),
+        scale_(static_cast<float>(p.scale)),
+        e1_(std::isfinite(scale_ * kLog2e) ? scale_ * kLog2e : scale_),
+        e2_(std::isfinite(scale_ * kLog2e) ? 1.0f : kLog2e),
+        group_(p.heads / p.heads_kv) {}
+
+  /// Whether the packed V fits int32 element offsets (the compacted key indices become offsets).
+  static bool fits_int32(const attention_params& p) {
+    const int lanes = static_cast<int>(hn::Lanes(DF()));
+    const std::int64_t dp = (p.head_dim + lanes - 1) / lanes * lanes;
+    const std::int64_t w = key_tile_width(p.pattern_m, 2 * lanes);
+    return (p.seqlen_k + 2 * w + 1) * dp <= std::numeric_limits<std::int32_t>::max();
+  }
+
+  /// Sizes the scratch for this call (may throw std::bad_alloc).
+  void reserve(workspace& ws, bool backward) const {
+    ws.packed_b = ws.packed_hk = -1;  // a new call: the packed head may be stale
+    ws.packed_for = nullptr;
+    const auto rows_pad = static_cast<std::size_t>((lk_pad_ + 1) * dp_);
+    const auto panels = static_cast<std::size_t>((lk_pad_ / panel_) * dp_ * panel_);
+    const auto tile_rows = static_cast<std::size_t>(kRowsPerTask * dp_);
+    // CompressStore may write a whole vector past the last kept slot.
+    const auto compact = static_cast<std::size_t>(w_ + 2 * lanes_);
+    ws.kt.resize(panels);
+    ws.vp.resize(rows_pad);
+    ws.pack.resize(static_cast<std::size_t>(panel_ * dp_));
+    ws.q.resize(std::max(tile_rows, static_cast<std::size_t>(dp_)));
+    ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+    ws.acc.resize(tile_rows);
+    ws.comp_val.resize(compact);
+    ws.comp_idx.resize(compact);
+    ws.row_max.resize(kRowsPerTask);
+    ws.row_sum.resize(kRowsPerTask);
+    ws.row_nan.resize(kRowsPerTask);
+    if (backward) {
+      ws.vt.resize(panels);
+      ws.dps.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+      ws.kr.resize(rows_pad);
+      ws.dk.resize(rows_pad);
+      ws.dv.resize(rows_pad);
+      ws.dout.resize(tile_rows);
+      ws.comp_p.resize(compact);
+      ws.comp_ds.resize(compact);
+      const auto block = static_cast<std::size_t>(w_ * kRowsPerTask);
+      ws.p_keys.resize(block);
+      ws.ds_keys.resize(block);
+      ws.row_d.resize(kRowsPerTask);
+      ws.row_lse2.resize(kRowsPerTask);
+    }
+  }
+
+  /// Keys visible to query row qi: j < key_limit (key padding, causal and the sequence end).
+  std::int64_t key_limit(std::int64_t b, std::int64_t qi) const {
+    return mask::visible_end(p_.causal, p_.seqlen_q, p_.seqlen_k, core::valid_keys(p_, b), qi);
+  }
+
+  /// Whether every value of a packed row is finite and at most 2^50 in magnitude: then no product
+  /// or sum of d <= 512 such values overflows, so scores are finite and NaN-free.
+  bool row_is_tame(const float* row) const {
+    const DF d;
+    const VF lim = hn::Set(d, 0x1p50f);
+    auto ok = hn::Le(hn::Abs(hn::Load(d, row)), lim);
+    for (int c = lanes_; c < dp_; c += lanes_) ok = hn::And(ok, hn::Le(hn::Abs(hn::Load(d, row + c)), lim));
+    return hn::AllTrue(d, ok);
+  }
+
+  /// Row (b, j, h, :) of a [B, L, H, d] tensor as dp floats (zero padded; all zero when !valid).
+  void load_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h, bool valid,
+                float* out) const {
+    if (!valid) {
+      std::memset(out, 0, sizeof(float) * static_cast<std::size_t>(dp_));
+      return;
+    }
+    const DF d;
+    const std::int64_t off = core::offset4(st, b, j, h, 0);
+    int c = 0;
+    if (st[3] == 1) {
+      if constexpr (std::is_same_v<T, float>) {
+        const float* src = static_cast<const float*>(base) + off;
+        for (; c + lanes_ <= d_; c += lanes_) hn::Store(hn::LoadU(d, src + c), d, out + c);
+      } else {
+        // 16-bit rows: f16 by promote_f16, bf16 by Highway's PromoteTo (a shift).
+        using H = std::conditional_t<std::is_same_v<T, half>, hwy::float16_t, hwy::bfloat16_t>;
+        const hn::Rebind<H, DF> dh;
+        const H* src = reinterpret_cast<const H*>(static_cast<const std::uint16_t*>(base) + off);
+        for (; c + lanes_ <= d_; c += lanes_) {
+          if constexpr (std::is_same_v<T, half>) {
+            hn::Store(promote_f16(dh, src + c), d, out + c);
+          } else {
+            hn::Store(hn::PromoteTo(d, hn::LoadU(dh, src + c)), d, out + c);
+          }
+        }
+      }
+    }
+    for (; c < d_; ++c) out[c] = to_float(static_cast<const T*>(base)[off + c * st[3]]);
+    for (; c < dp_; ++c) out[c] = 0.0f;
+  }
+
+  /// Packs K (panels) and V (rows) of (batch b, kv head hk) into the thread's scratch, once per
+  /// call and head (a worker's consecutive tasks mostly share the head).
+  void pack_head(workspace& ws, std::int64_t b, std::int64_t hk) const {
+    if (ws.packed_for == &p_ && ws.packed_b == b && ws.packed_hk == hk) return;
+    float* kt = ws.kt.ptr;
+    float* vp = ws.vp.ptr;
+    const std::int64_t lk = p_.seqlen_k;
+    // K: a panel's P rows are converted into contiguous scratch first, then transposed with
+    // contiguous stores (storing each row's values P floats apart touched a cache line per value).
+    float* rows = ws.pack.ptr;
+    bool risky = false;
+    for (std::int64_t blk = 0; blk < lk_pad_ / panel_; ++blk) {
+      float* panel = kt + blk * dp_ * panel_;
+      for (int t = 0; t < panel_; ++t) {
+        const std::int64_t j = blk * panel_ + t;
+        load_row(p_.k, p_.k_stride, b, j, hk, j < lk, rows + t * dp_);
+        risky |= !row_is_tame(rows + t * dp_);
+      }
+      for (int c = 0; c < dp_; ++c) {
+        for (int t = 0; t < panel_; ++t) panel[c * panel_ + t] = rows[t * dp_ + c];
+      }
+    }
+    for (std::int64_t j = 0; j <= lk_pad_; ++j) {
+      load_row(p_.v, p_.v_stride, b, j, hk, j < lk, vp + j * dp_);
+      risky |= !row_is_tame(vp + j * dp_);
+    }
+    ws.kv_risky = risky;
+    ws.packed_b = b;
+    ws.packed_hk = hk;
+    ws.packed_for = &p_;
+  }
+
+  /// S = X Kt for rows [0, rows) of the tile @p x (row stride dp, rows padded to a multiple of
+  /// kMicroRows with zeros) against the key tile at j0 of the panels @p panels, into @p s (row
+  /// stride W). Also computes dP = dO V^T in the backward (x = dO, panels = V^T).
+  void tile_product(const float* x, int rows, const float* panels, std::int64_t j0, float* s) const {
+    for (int i = 0; i < rows; i += kMicroRows) {
+      for (int jb = 0; jb < w_; jb += panel_) {
+        microkernel<kMicroRows>(x + i * dp_, dp_, panels + ((j0 + jb) / panel_) * dp_ * panel_, dp_, s + i * w_ + jb,
+                                w_);
+      }
+    }
+  }
+
+  /// Adds the bias to the tile row @p s of query qi and sets masked keys (j >= lim) to -inf.
+  HWY_INLINE void bias_and_mask(float* s, std::int64_t b, std::int64_t h, std::int64_t qi, std::int64_t j0, std::int64_t lim) const {
+    if (p_.bias != nullptr) {
+      const std::int64_t n = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
+      const std::int64_t base = b * p_.bias_stride[0] + h * p_.bias_stride[1] + qi * p_.bias_stride[2];
+      for (std::int64_t t = 0; t < n; ++t) {
+        s[t] += static_cast<float>(core::load_as_double(p_.bias, p_.bias_type, base + (j0 + t) * p_.bias_stride[3]));
+      }
+    }
+    for (std::int64_t t = std::max<std::int64_t>(0, lim - j0); t < w_; ++t) s[t] = -std::numeric_limits<float>::infinity();
+  }
+
+  /// Whether the tile row @p s holds a NaN or +inf score: either makes its row NaN
+  /// (docs/semantics.md, "Non-finite and extreme inputs"), kept or pruned.
+  bool row_has_nan_or_inf(const float* s) const {
+    const DF d;
+    const VF inf = hn::Set(d, std::numeric_limits<float>::infinity());
+    auto bad = hn::FirstN(d, 0);  // all false
+    for (int t = 0; t < w_; t += lanes_) {
+      const VF x = hn::Load(d, s + t);
+      bad = hn::Or(bad, hn::Or(hn::IsNaN(x), hn::Eq(x, inf)));
+    }
+    return !hn::AllFalse(d, bad);
+  }
+
+  /// Selects N of every M keys of the tile row @p s and writes the kept scores and key indices to
+  /// @p cv / @p ci (padded with -inf / the zero row to a multiple of the vector length); @p max_out
+  /// receives the largest score of the tile (the maximum of a group is always kept; meaningful for
+  /// NaN-free rows only). Returns the count. Exactly the rule of nm_select_group, ties and NaN
+  /// included. @p nan_free: the caller knows the row holds no NaN (it checked, or no input of the
+  /// task can produce one); the kept set is the same either way, only the cost differs.
+  ///
+  /// 1:2 and 2:4 run in registers. A row that may hold a NaN takes select_pairs: every lane
+  /// compares its rank key
+  /// (rank_key) with its group partners (Shuffle2301: position ^ 1, Shuffle1032: ^ 2,
+  /// Shuffle0123: ^ 3, all inside one 128-bit block, so an aligned group of 4 is one block), counts
+  /// the partners that rank above it (a higher key, or an equal key at a lower index) and keeps
+  /// itself iff fewer than N do. Each group's kept keys are then moved to its even lanes with the
+  /// same shuffles and ConcatEven packs the even lanes of two vectors into one. (Highway 1.0.3's
+  /// CompressStore was tried first: on AVX2 with GCC 12 it copies its 1 KiB permutation table onto
+  /// the stack on every call, and made 1:2 and 2:4 3.3x slower than the AVX2 kernel it replaces.)
+  /// A NaN-free row takes select_pairs_nan_free, the cheaper pairwise form of the same rule (the
+  /// hand-written AVX2 kernel's): about half the instructions, which measured 2:4 about 10% faster
+  /// on AVX2. Other N:M go through the scalar nm_select_group; N = M keeps everything.
+  HWY_INLINE int compact(const float* s, std::int32_t j0, float* cv, std::int32_t* ci, float& max_out, bool nan_free) const {
+    const DF d;
+    const DI di;
+    const int n = p_.pattern_n, m = p_.pattern_m;
+    int kept = 0;
+    VF vmax = hn::Set(d, -std::numeric_limits<float>::infinity());
+    // Key indices as iota + offset: Highway 1.0.3's Iota fills a stack array lane by lane, and the
+    // vector load of it stalls on store forwarding, so it is built once per call.
+    const VI iota = hn::Iota(di, 0);
+    if (n == m) {
+      for (int t = 0; t < w_; t += lanes_) {
+        const VF x = hn::Load(d, s + t);
+        vmax = hn::Max(vmax, x);
+        hn::Store(x, d, cv + t);
+        hn::StoreU(hn::Add(iota, hn::Set(di, j0 + t)), di, ci + t);
+      }
+      kept = w_;
+    } else if ((n == 1 && m == 2) || (n == 2 && m == 4)) {
+      // W is a multiple of the panel (2 vectors): two vectors of keys give one vector of kept keys.
+      for (int t = 0; t < w_; t += 2 * lanes_) {
+        const VF x0 = hn::Load(d, s + t);
+        const VF x1 = hn::Load(d, s + t + lanes_);
+        vmax = hn::Max(vmax, hn::Max(x0, x1));
+        VF v0 = x0, v1 = x1;
+        VI i0 = hn::Add(iota, hn::Set(di, j0 + t)), i1 = hn::Add(iota, hn::Set(di, j0 + t + lanes_));
+        if (nan_free) {
+          if (m == 2) {
+            select_pairs_nan_free<2>(iota, v0, i0);
+            select_pairs_nan_free<2>(iota, v1, i1);
+          } else {
+            select_pairs_nan_free<4>(iota, v0, i0);
+            select_pairs_nan_free<4>(iota, v1, i1);
+          }
+        } else if (m == 2) {
+          select_pairs<2>(iota, v0, i0);
+          select_pairs<2>(iota, v1, i1);
+        } else {
+          select_pairs<4>(iota, v0, i0);
+          select_pairs<4>(iota, v1, i1);
+        }
+        hn::Store(hn::ConcatEven(d, v1, v0), d, cv + kept);
+        hn::StoreU(hn::ConcatEven(di, i1, i0), di, ci + kept);
+        kept += lanes_;
+      }
+    } else {
+      for (int g = 0; g < w_; g += m) {
+        const std::uint32_t keep = select_group_generic(s + g, n, m);
+        for (int x = 0; x < m; ++x) {
+          if ((keep >> x) & 1u) {
+            cv[kept] = s[g + x];
+            ci[kept] = j0 + g + x;
+            ++kept;
+          }
+        }
+      }
+      for (int t = 0; t < w_; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
+    }
+    for (; kept % lanes_ != 0; ++kept) {
+      cv[kept] = -std::numeric_limits<float>::infinity();
+      ci[kept] = zero_row_;
+    }
+    max_out = hn::GetLane(hn::MaxOfLanes(d, vmax));
+    return kept;
+  }
+
+  /// select_pairs for scores without NaN (plain float compares rank them: -inf lowest, +0 == -0),
+  /// in the pairwise form: per pair its winner hi and loser lo (ties to the lower index). 1:2
+  /// keeps hi. 2:4 keeps {hi0, hi1}, except {hi0, lo0} when lo0 ranks above hi1 (lo0 >= hi1: lo0
+  /// has the lower index) and {hi1, lo1} when lo1 ranks above hi0 (lo1 > hi0). So lane 0 of a group
+  /// takes (lo0 above hi1 ? lo0 : hi1) and lane 2 takes (lo1 above hi0 ? lo1 : hi0): the same kept
+  /// set as select_pairs, not always in key order (which no caller needs).
+  template <int M>
+  static HWY_INLINE void select_pairs_nan_free(VI iota, VF& x, VI& idx) {
+    const DF d;
+    const DI di;
+    const VF xs = hn::Shuffle2301(x);
+    const VI is = hn::Shuffle2301(idx);
+    if constexpr (M == 2) {
+      (void)iota;
+      // Even lane: keep its own key unless the odd partner is strictly larger.
+      const auto partner = hn::Gt(xs, x);
+      x = hn::IfThenElse(partner, xs, x);
+      idx = hn::IfThenElse(hn::RebindMask(di, partner), is, idx);
+    } else {
+      const auto even_wins = hn::Ge(x, xs);  // meaningful in even lanes
+      const auto even_wins_i = hn::RebindMask(di, even_wins);
+      const VF hi = hn::IfThenElse(even_wins, x, xs), lo = hn::IfThenElse(even_wins, xs, x);
+      const VI hi_i = hn::IfThenElse(even_wins_i, idx, is), lo_i = hn::IfThenElse(even_wins_i, is, idx);
+      const VF hi_other = hn::Shuffle1032(hi);
+      const VI hi_other_i = hn::Shuffle1032(hi_i);
+      // lo wins over the other pair's hi: >= in the first pair (lo0 has the lower index), > in the second.
+      const auto first_pair = hn::RebindMask(d, hn::Eq(hn::And(iota, hn::Set(di, 2)), hn::Zero(di)));
+      const auto lo_wins = hn::Or(hn::Gt(lo, hi_other), hn::And(first_pair, hn::Eq(lo, hi_other)));
+      x = hn::IfThenElse(lo_wins, lo, hi_other);
+      idx = hn::IfThenElse(hn::RebindMask(di, lo_wins), lo_i, hi_other_i);
+    }
+  }
+
+  /// 1:2 (M = 2) or 2:4 (M = 4) selection of the aligned groups of one vector of scores @p x with
+  /// key indices @p idx (@p iota: 0, 1, 2, ...): afterwards the even lanes of every group hold its kept scores and indices
+  /// in key order (1:2: lane 0 of each pair; 2:4: lanes 0 and 2 of each group of 4), odd lanes are
+  /// don't-care.
+  template <int M>
+  static HWY_INLINE void select_pairs(VI iota, VF& x, VI& idx) {
+    const DF d;
+    const DI di;
+    const VI pos = hn::And(iota, hn::Set(di, M - 1));
+    const auto lower1 = hn::Ne(hn::And(pos, hn::Set(di, 1)), hn::Zero(di));  // partner p ^ 1 comes first
+    const VI k = rank_key(x);
+    const VI k1 = hn::Shuffle2301(k);
+    const auto above1 = hn::Or(hn::Gt(k1, k), hn::And(lower1, hn::Eq(k1, k)));
+    const VF x1 = hn::Shuffle2301(x);
+    const VI idx1 = hn::Shuffle2301(idx);
+    if constexpr (M == 2) {
+      // Exactly one key of each pair is kept: the even lane's unless its partner ranks above it.
+      const auto keep_f = hn::RebindMask(d, above1);  // true: take the partner (the odd key)
+      x = hn::IfThenElse(keep_f, x1, x);
+      idx = hn::IfThenElse(above1, idx1, idx);
+    } else {
+      // Partners p ^ 2 and p ^ 3 come first where bit 1 of p is set.
+      const auto lower2 = hn::Ne(hn::And(pos, hn::Set(di, 2)), hn::Zero(di));
+      const VI k2 = hn::Shuffle1032(k);
+      const VI k3 = hn::Shuffle0123(k);
+      VI above = hn::VecFromMask(di, above1);
+      above = hn::Add(above, hn::VecFromMask(di, hn::Or(hn::Gt(k2, k), hn::And(lower2, hn::Eq(k2, k)))));
+      above = hn::Add(above, hn::VecFromMask(di, hn::Or(hn::Gt(k3, k), hn::And(lower2, hn::Eq(k3, k)))));
+      // keep: fewer than 2 partners rank above (the sum of -1 masks is -(count)).
+      const VI keep = hn::VecFromMask(di, hn::Gt(above, hn::Set(di, -2)));
+      const auto keep_here = hn::MaskFromVec(keep);       // lane p kept
+      const auto keep_next = hn::MaskFromVec(hn::Shuffle2301(keep));  // lane p ^ 1 kept
+      // Exactly two of the four are kept. Lane 0 takes the first kept key: 0, else 1, else 2;
+      // lane 2 takes the second: 3, else 2, else 1 (lane 2 sees key 3 through Shuffle2301, key 1
+      // through Shuffle0123, key 0 through Shuffle1032).
+      const VF x2 = hn::Shuffle1032(x), x3 = hn::Shuffle0123(x);
+      const VI idx2 = hn::Shuffle1032(idx), idx3 = hn::Shuffle0123(idx);
+      const auto first = hn::Eq(pos, hn::Zero(di));
+      const VI first_idx = hn::IfThenElse(keep_here, idx, hn::IfThenElse(keep_next, idx1, idx2));
+      const VI second_idx = hn::IfThenElse(keep_next, idx1, hn::IfThenElse(keep_here, idx, idx3));
+      const auto keep_here_f = hn::RebindMask(d, keep_here);
+      const auto keep_next_f = hn::RebindMask(d, keep_next);
+      const VF first_x = hn::IfThenElse(keep_here_f, x, hn::IfThenElse(keep_next_f, x1, x2));
+      const VF second_x = hn::IfThenElse(keep_next_f, x1, hn::IfThenElse(keep_here_f, x, x3));
+      x = hn::IfThenElse(hn::RebindMask(d, first), first_x, second_x);
+      idx = hn::IfThenElse(first, first_idx, second_idx);
+    }
+  }
+
+  /// Sum of exp(scale (x - mx)) over the @p kept compacted scores (the backward's row statistics;
+  /// the forward fuses this with its index conversion in exp_kept).
+  float exp_sum(const float* cv, int kept, float mx) const {
+    const DF d;
+    const VF vmx = hn::Set(d, mx), ve1 = hn::Set(d, e1_), ve2 = hn::Set(d, e2_);
+    VF vsum = hn::Zero(d);
+    for (int t = 0; t < kept; t += lanes_) {
+      vsum = hn::Add(vsum, exp2_poly(hn::Mul(hn::Mul(hn::Sub(hn::Load(d, cv + t), vmx), ve1), ve2)));
+    }
+    return hn::GetLane(hn::SumOfLanes(d, vsum));
+  }
+
+  const attention_params& p_;
+  const int d_, lanes_, panel_, dp_, w_;
+  const std::int64_t lk_pad_;
+  const std::int32_t zero_row_;
+  const float scale_;
+  /// exp(scale * x) = exp2((x * e1_) * e2_): e1_ = scale log2(e) and e2_ = 1, or, when scale
+  /// log2(e) overflows fp32 (scale above float max / log2(e), up to float max), e1_ = scale and
+  /// e2_ = log2(e), which stays finite for every |x| the product can take.
+  const float e1_, e2_;
+  const std::int64_t group_;
+};
+
+#endif  // DFSS_SIMD_KERNEL_TARGET
+
+}  // namespace dfss::cpu::simd::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

@@ -438,18 +438,7 @@ HWY_EXPORT(backward_entry);
 }  // namespace simd
 
 status fused_backward_simd(const attention_params& p, simd_target t) noexcept {
-  const auto fn = simd::dispatch_entry(simd::HWY_DISPATCH_TABLE(backward_entry), t);
-  if (fn == nullptr) {
-    return {status_code::unsupported,
-            std::string("dfss cpu simd backward: this build has no ") + simd_target_name(t) + " kernel"};
-  }
-  try {
-    return fn(p);
-  } catch (const std::bad_alloc&) {
-    return {status_code::internal, "dfss cpu simd backward: out of memory for the packed keys and values"};
-  } catch (const std::exception& e) {
-    return {status_code::internal, std::string("dfss cpu simd backward: ") + e.what()};
-  }
+  return simd::run_on_target(simd::HWY_DISPATCH_TABLE(backward_entry), t, p, "dfss cpu simd backward");
 }
 
 }  // namespace dfss::cpu

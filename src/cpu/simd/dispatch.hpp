@@ -5,6 +5,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <new>
+#include <string>
 
 #include "cpu/simd/targets.hpp"
 #include "hwy/highway.h"
@@ -40,6 +43,24 @@ F dispatch_entry(F const (&table)[N], simd_target t) noexcept {
   } else {
     const std::size_t index = hwy::Num0BitsBelowLS1Bit_Nonzero64(static_cast<std::uint64_t>(HWY_CHOSEN_TARGET_SHIFT(bit)));
     return index < N ? table[index] : nullptr;
+  }
+}
+
+/// Runs @p p on target @p t's entry of @p table (both directions' public entry points): an absent
+/// target and an exception (out of memory for the packed keys and values, or anything else) become
+/// statuses naming @p what ("dfss cpu simd fused forward", ...).
+template <typename F, std::size_t N>
+status run_on_target(F const (&table)[N], simd_target t, const attention_params& p, const char* what) noexcept {
+  const F fn = dispatch_entry(table, t);
+  if (fn == nullptr) {
+    return {status_code::unsupported, std::string(what) + ": this build has no " + simd_target_name(t) + " kernel"};
+  }
+  try {
+    return fn(p);
+  } catch (const std::bad_alloc&) {
+    return {status_code::internal, std::string(what) + ": out of memory for the packed keys and values"};
+  } catch (const std::exception& e) {
+    return {status_code::internal, std::string(what) + ": " + e.what()};
   }
 }
 

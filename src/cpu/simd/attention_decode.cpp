@@ -45,6 +45,8 @@ inline constexpr std::int64_t kDecodeTargetTasks = 128;
 /// Shortest key chunk: at d = 128 in fp32, 512 keys are 512 KiB of K and V per task, so the per-task
 /// cost (loading the group's Q rows, writing and folding one partial state per row) stays below 1%.
 inline constexpr std::int64_t kDecodeMinChunk = 512;
+/// Bytes per prefetch: the cache line of every x86-64 and AArch64 core dfss targets.
+inline constexpr std::int64_t kCacheLine = 64;
 
 /// Keys per chunk: a multiple of the key tile width @p w (so of M), a function of the shape only.
 inline std::int64_t decode_chunk_keys(const attention_params& p, int w) {
@@ -64,11 +66,57 @@ namespace dfss::cpu::simd::HWY_NAMESPACE {
 
 #if DFSS_SIMD_KERNEL_TARGET
 
+/// S[R][P] = Q[R][dp] x Kt panel [dp][P] for R = 1 or 2 query rows: the fused forward's
+/// microkernel (kernel_parts-inl.h) for fewer rows, with the same arithmetic per (row, key) lane (one
+/// MulAdd per c, c increasing), so its scores are bitwise the fused forward's. A decode step of one
+/// or two rows per kv head would waste 3/4 or 7/8 of microkernel<4 or 8>'s multiplies on zero rows.
+template <int R>
+HWY_INLINE void few_rows_microkernel(const float* HWY_RESTRICT q, std::int64_t ldq, const float* HWY_RESTRICT kt,
+                                     int dp, float* HWY_RESTRICT s, std::int64_t lds) {
+  static_assert(R == 1 || R == 2, "few_rows_microkernel: 1 or 2 rows");
+  const DF d;
+  const std::size_t L = hn::Lanes(d);
+  const std::size_t P = 2 * L;
+  VF c00 = hn::Zero(d), c01 = c00, c10 = c00, c11 = c00;
+  for (int c = 0; c < dp; ++c) {
+    const VF b0 = hn::Load(d, kt + c * P);
+    const VF b1 = hn::Load(d, kt + c * P + L);
+    VF a = hn::Set(d, q[c]);
+    c00 = hn::MulAdd(a, b0, c00);
+    c01 = hn::MulAdd(a, b1, c01);
+    if constexpr (R == 2) {
+      a = hn::Set(d, q[ldq + c]);
+      c10 = hn::MulAdd(a, b0, c10);
+      c11 = hn::MulAdd(a, b1, c11);
+    }
+  }
+  hn::Store(c00, d, s);
+  hn::Store(c01, d, s + L);
+  if constexpr (R == 2) {
+    hn::Store(c10, d, s + lds);
+    hn::Store(c11, d, s + lds + L);
+  }
+}
+
+#if !HWY_HAVE_SCALABLE
+/// Stores the 128-bit blocks of @p v: block b at dst + b * stride.
+template <class D>
+HWY_INLINE void store_blocks(D d, hn::Vec<D> v, float* dst, std::int64_t stride) {
+  if constexpr (hn::MaxLanes(D()) <= 4) {
+    hn::StoreU(v, d, dst);
+  } else {
+    const hn::Half<D> dh;
+    store_blocks(dh, hn::LowerHalf(dh, v), dst, stride);
+    store_blocks(dh, hn::UpperHalf(dh, v), dst + static_cast<std::int64_t>(hn::MaxLanes(D()) / 8) * stride, stride);
+  }
+}
+#endif
+
 /// Per-thread scratch of the decode tasks (worker_scratch): the group's Q rows, one K tile in
 /// panels, the S tile, the kept V rows of the tile, and per row its compacted kept scores and
 /// offsets, accumulator and softmax state.
 struct decode_workspace {
-  aligned_buffer<float> q, kt, rows, s, vt, acc, cv, row_max, row_sum;
+  aligned_buffer<float> q, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
 };
 
@@ -80,7 +128,7 @@ class decode_pass : public kernel<T> {
   explicit decode_pass(const attention_params& p)
       : base(p),
         rows_(static_cast<int>(group_ * p.seqlen_q)),
-        rows_mk_((rows_ + kMicroRows - 1) / kMicroRows * kMicroRows),
+        rows_mk_(rows_ <= 2 ? rows_ : (rows_ + 3) / 4 * 4),
         chunk_(decode_chunk_keys(p, w_)),
         chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)),
         cstride_(w_ + 2 * lanes_) {}
@@ -129,16 +177,19 @@ class decode_pass : public kernel<T> {
     ws.s.resize(rows * w);
     ws.vt.resize((w + 1) * dp);
     ws.acc.resize(rows * dp);
-    ws.cv.resize(rows * static_cast<std::size_t>(cstride_));
-    ws.ci.resize(rows * static_cast<std::size_t>(cstride_));
-    ws.kept.resize(rows);
+    // Two sets of compacted slots, kept counts and used keys: the tile being selected and the one
+    // whose P V is pending.
+    ws.cv.resize(2 * rows * static_cast<std::size_t>(cstride_));
+    ws.ci.resize(2 * rows * static_cast<std::size_t>(cstride_));
+    ws.kept.resize(2 * rows);
+    ws.used.resize(2 * w);
     ws.row_max.resize(rows);
     ws.row_sum.resize(rows);
+    ws.row_tile_max.resize(rows);
     ws.row_nan.resize(rows);
-    ws.used.resize(w);
     // Row w of the tile's V is the zero row that masked and padding slots point at.
     std::fill(ws.vt.ptr + w * dp, ws.vt.ptr + (w + 1) * dp, 0.0f);
-    std::fill(ws.used.ptr, ws.used.ptr + w, 0);
+    std::fill(ws.used.ptr, ws.used.ptr + 2 * w, 0);
   }
 
   /// Query head and row of task row r (rows are head-major: r = head in group * Lq + row).
@@ -169,7 +220,19 @@ class decode_pass : public kernel<T> {
         q_risky = q_risky || !this->row_is_tame(q);
       }
     }
-    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += w_) tile(ws, b, hk, j0, tile_end, q_risky);
+    // Software pipeline over the tiles: the V rows a tile kept are prefetched when its selection is
+    // known and read one tile later, so the loads of V overlap the next tile's scores (a decode step
+    // is bound by memory: without it one thread reached a third of the bandwidth of a plain sweep).
+    int parity = 0;
+    std::int64_t pending = -1;  // the tile whose P V product is still to do
+    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += w_) {
+      select_tile(ws, parity, b, hk, j0, j_end, tile_end, q_risky);
+      if (pending >= 0) accumulate_tile(ws, 1 - parity, b, hk, pending);
+      update_rows(ws, parity, b, hk, j0);
+      pending = j0;
+      parity = 1 - parity;
+    }
+    if (pending >= 0) accumulate_tile(ws, 1 - parity, b, hk, pending);
 
     for (int r = 0; r < rows_; ++r) {
       const std::size_t at = static_cast<std::size_t>(t * rows_ + r);
@@ -181,45 +244,71 @@ class decode_pass : public kernel<T> {
     }
   }
 
-  /// The key tile at j0 for every row of the task.
-  void tile(decode_workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t j0, std::int64_t tile_end,
-            bool q_risky) const {
+  /// Prefetches the bytes of row (b, j, h) of a [B, L, H, d] input with element strides @p st.
+  void prefetch_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h) const {
+    if (st[3] != 1) return;  // a strided row: left to the hardware
+    const char* row = static_cast<const char*>(base) + core::offset4(st, b, j, h, 0) * static_cast<std::int64_t>(sizeof(T));
+    for (std::int64_t x = 0; x < static_cast<std::int64_t>(sizeof(T)) * d_; x += kCacheLine) prefetch_line(row + x);
+  }
+
+  /// GCC 12 emits nothing for __builtin_prefetch (and so for hwy::Prefetch) inside functions compiled
+  /// under Highway's per-target `#pragma GCC target`, so on x86-64 the instruction is written out.
+  static HWY_INLINE void prefetch_line(const char* p) {
+#if HWY_ARCH_X86
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p);
+#endif
+  }
+
+  /// Tile j0, first half: K converted into panels (the next tile's K prefetched), S = Q K^T, and per
+  /// row bias, masks, NaN detection and the N:M selection into the compacted slots of @p parity,
+  /// with the tile's maximum in row_tile_max (-inf: nothing kept, or the tile is past the row's keys).
+  void select_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0,
+                   std::int64_t j_end, std::int64_t tile_end, bool q_risky) const {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     // K of the tile in panels (the fused forward's layout). Keys at or past tile_end are zeros: every
     // row masks them, and a padded cache's garbage there must not flag the tile as risky.
     bool risky = q_risky;
     float* rows = ws.rows.ptr;
     for (int blk = 0; blk < w_ / panel_; ++blk) {
-      float* panel = ws.kt.ptr + static_cast<std::int64_t>(blk) * dp_ * panel_;
       for (int t = 0; t < panel_; ++t) {
         const std::int64_t j = j0 + blk * panel_ + t;
+        if (j + w_ < j_end) prefetch_row(p_.k, p_.k_stride, b, j + w_, hk);
         this->load_row(p_.k, p_.k_stride, b, j, hk, j < tile_end, rows + t * dp_);
         risky = risky || !this->row_is_tame(rows + t * dp_);
       }
-      for (int c = 0; c < dp_; ++c) {
-        for (int t = 0; t < panel_; ++t) panel[c * panel_ + t] = rows[t * dp_ + c];
-      }
+      transpose_panel(rows, ws.kt.ptr + static_cast<std::int64_t>(blk) * dp_ * panel_);
     }
-    this->tile_product(ws.q.ptr, rows_mk_, ws.kt.ptr, 0, ws.s.ptr);
+    scores(ws.q.ptr, ws.kt.ptr, ws.s.ptr);
 
-    std::int32_t* used = ws.used.ptr;
     for (int r = 0; r < rows_; ++r) {
       const std::int64_t qi = row_of(r), h = head_of(hk, r);
-      std::int32_t& kept = ws.kept.ptr[r];
+      std::int32_t& kept = ws.kept.ptr[parity * rows_mk_ + r];
+      float& tile_max = ws.row_tile_max.ptr[r];
       kept = 0;
+      tile_max = neg_inf;
       const std::int64_t lim = this->key_limit(b, qi);
       if (j0 >= lim) continue;  // the whole tile is masked for this row
       float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
       this->bias_and_mask(s, b, h, qi, j0, lim);
       const bool nan_or_inf = risky && this->row_has_nan_or_inf(s);
       if (nan_or_inf) ws.row_nan.ptr[r] = 1;
-      float* cv = ws.cv.ptr + static_cast<std::int64_t>(r) * cstride_;
-      std::int32_t* ci = ws.ci.ptr + static_cast<std::int64_t>(r) * cstride_;
-      float tile_max = neg_inf;
       // Local key indices (j0 = 0): they address the tile's V rows.
-      const int n = this->compact(s, 0, cv, ci, tile_max, /*nan_free=*/!nan_or_inf);
-      if (tile_max == neg_inf) continue;
-      kept = n;
+      kept = this->compact(s, 0, slot_val(ws, parity, r), slot_idx(ws, parity, r), tile_max, /*nan_free=*/!nan_or_inf);
+      if (tile_max == neg_inf) kept = 0;
+    }
+  }
+
+  /// Tile j0, second half (after the previous tile's P V): the online softmax update of every row,
+  /// the exponentials of its kept scores, and the prefetch of the V rows some row kept.
+  void update_rows(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    std::int32_t* used = ws.used.ptr + static_cast<std::int64_t>(parity) * w_;
+    for (int r = 0; r < rows_; ++r) {
+      const int n = ws.kept.ptr[parity * rows_mk_ + r];
+      if (n == 0) continue;
+      const float tile_max = ws.row_tile_max.ptr[r];
       float& mx = ws.row_max.ptr[r];
       float& sum = ws.row_sum.ptr[r];
       if (tile_max > mx) {
@@ -228,10 +317,19 @@ class decode_pass : public kernel<T> {
         sum *= corr;
         mx = tile_max;
       }
+      float* cv = slot_val(ws, parity, r);
+      std::int32_t* ci = slot_idx(ws, parity, r);
       sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, n, mx, used) : exp_kept<true>(cv, ci, n, mx, used);
     }
+    for (int t = 0; t < w_; ++t) {
+      if (used[t] != 0) prefetch_row(p_.v, p_.v_stride, b, j0 + t, hk);
+    }
+  }
 
-    // The V rows some row kept, converted once; the rest of the tile's V is never read.
+  /// acc += p V over the kept keys of tile j0 (slots of @p parity): the V rows some row kept,
+  /// converted once; the rest of the tile's V is never read.
+  void accumulate_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
+    std::int32_t* used = ws.used.ptr + static_cast<std::int64_t>(parity) * w_;
     float* vt = ws.vt.ptr;
     for (int t = 0; t < w_; ++t) {
       if (used[t] == 0) continue;
@@ -239,13 +337,73 @@ class decode_pass : public kernel<T> {
       this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, vt + static_cast<std::int64_t>(t) * dp_);
     }
     for (int r = 0; r < rows_; ++r) {
-      const int n = ws.kept.ptr[r];
+      const int n = ws.kept.ptr[parity * rows_mk_ + r];
       if (n == 0) continue;
-      const float* cv = ws.cv.ptr + static_cast<std::int64_t>(r) * cstride_;
-      const std::int32_t* ci = ws.ci.ptr + static_cast<std::int64_t>(r) * cstride_;
+      const float* cv = slot_val(ws, parity, r);
+      const std::int32_t* ci = slot_idx(ws, parity, r);
       add_row_combination(
           ws.acc.ptr + static_cast<std::int64_t>(r) * dp_, dp_, n, [cv](int k) { return cv[k]; },
           [vt, ci](int k) { return vt + ci[k]; });
+    }
+  }
+
+  float* slot_val(decode_workspace& ws, int parity, int r) const {
+    return ws.cv.ptr + (static_cast<std::int64_t>(parity) * rows_mk_ + r) * cstride_;
+  }
+  std::int32_t* slot_idx(decode_workspace& ws, int parity, int r) const {
+    return ws.ci.ptr + (static_cast<std::int64_t>(parity) * rows_mk_ + r) * cstride_;
+  }
+
+  /// The panel [dp][P] of the P key rows at @p rows (row stride dp): 4 rows at a time are
+  /// transposed in registers (4 x 4 within every 128-bit block) and stored a block at a time, a
+  /// quarter of the loads and stores of an element-wise transpose, which measured about half the
+  /// time of a decode step. Scalable (SVE) vectors take the element-wise loop.
+  void transpose_panel(const float* rows, float* panel) const {
+#if !HWY_HAVE_SCALABLE
+    const DF d;
+    const hn::Repartition<std::uint64_t, DF> du;
+    for (int t0 = 0; t0 < panel_; t0 += 4) {
+      const float* r = rows + static_cast<std::int64_t>(t0) * dp_;
+      float* dst = panel + t0;
+      for (int c0 = 0; c0 < dp_; c0 += lanes_) {
+        const VF v0 = hn::Load(d, r + c0), v1 = hn::Load(d, r + dp_ + c0);
+        const VF v2 = hn::Load(d, r + 2 * dp_ + c0), v3 = hn::Load(d, r + 3 * dp_ + c0);
+        const auto t01l = hn::BitCast(du, hn::InterleaveLower(d, v0, v1));  // a0 b0 a1 b1 per block
+        const auto t01u = hn::BitCast(du, hn::InterleaveUpper(d, v0, v1));  // a2 b2 a3 b3
+        const auto t23l = hn::BitCast(du, hn::InterleaveLower(d, v2, v3));  // c0 d0 c1 d1
+        const auto t23u = hn::BitCast(du, hn::InterleaveUpper(d, v2, v3));  // c2 d2 c3 d3
+        const std::int64_t stride = 4 * static_cast<std::int64_t>(panel_);  // block b: c0 + 4 b
+        store_blocks(d, hn::BitCast(d, hn::InterleaveLower(du, t01l, t23l)), dst + c0 * panel_, stride);
+        store_blocks(d, hn::BitCast(d, hn::InterleaveUpper(du, t01l, t23l)), dst + (c0 + 1) * panel_, stride);
+        store_blocks(d, hn::BitCast(d, hn::InterleaveLower(du, t01u, t23u)), dst + (c0 + 2) * panel_, stride);
+        store_blocks(d, hn::BitCast(d, hn::InterleaveUpper(du, t01u, t23u)), dst + (c0 + 3) * panel_, stride);
+      }
+    }
+#else
+    for (int c = 0; c < dp_; ++c) {
+      for (int t = 0; t < panel_; ++t) panel[c * panel_ + t] = rows[t * dp_ + c];
+    }
+#endif
+  }
+
+  /// S = Q Kt for the task's rows_mk_ rows against the tile's panels: 8 (where the target's
+  /// micro-kernel is 8 high) or 4 rows per call, and 1 or 2 rows for a group that small.
+  void scores(const float* q, const float* kt, float* s) const {
+    for (int i = 0; i < rows_mk_;) {
+      const int left = rows_mk_ - i;
+      const int r = left >= 8 && kMicroRows == 8 ? 8 : (left >= 4 ? 4 : left);
+      for (int jb = 0; jb < w_; jb += panel_) {
+        const float* x = q + static_cast<std::int64_t>(i) * dp_;
+        const float* panel = kt + static_cast<std::int64_t>(jb / panel_) * dp_ * panel_;
+        float* out = s + static_cast<std::int64_t>(i) * w_ + jb;
+        switch (r) {
+          case 8: microkernel<8>(x, dp_, panel, dp_, out, w_); break;
+          case 4: microkernel<4>(x, dp_, panel, dp_, out, w_); break;
+          case 2: few_rows_microkernel<2>(x, dp_, panel, dp_, out, w_); break;
+          default: few_rows_microkernel<1>(x, dp_, panel, dp_, out, w_); break;
+        }
+      }
+      i += r;
     }
   }
 

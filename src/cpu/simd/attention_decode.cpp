@@ -45,6 +45,8 @@ inline constexpr std::int64_t kDecodeTargetTasks = 128;
 /// Shortest key chunk: at d = 128 in fp32, 512 keys are 512 KiB of K and V per task, so the per-task
 /// cost (loading the group's Q rows, writing and folding one partial state per row) stays below 1%.
 inline constexpr std::int64_t kDecodeMinChunk = 512;
+/// How far ahead K is prefetched, in key tiles.
+inline constexpr std::int64_t kPrefetchTiles = 1;
 /// Bytes per prefetch: the cache line of every x86-64 and AArch64 core dfss targets.
 inline constexpr std::int64_t kCacheLine = 64;
 
@@ -131,7 +133,8 @@ class decode_pass : public kernel<T> {
         rows_mk_(rows_ <= 2 ? rows_ : (rows_ + 3) / 4 * 4),
         chunk_(decode_chunk_keys(p, w_)),
         chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)),
-        cstride_(w_ + 2 * lanes_) {}
+        cstride_(w_ + 2 * lanes_),
+        dense_(p.pattern_n == p.pattern_m) {}
 
   void run() const {
     const std::int64_t pairs = p_.batch * p_.heads_kv;
@@ -274,7 +277,11 @@ class decode_pass : public kernel<T> {
     for (int blk = 0; blk < w_ / panel_; ++blk) {
       for (int t = 0; t < panel_; ++t) {
         const std::int64_t j = j0 + blk * panel_ + t;
-        if (j + w_ < j_end) prefetch_row(p_.k, p_.k_stride, b, j + w_, hk);
+        if (j + kPrefetchTiles * w_ < j_end) {
+          prefetch_row(p_.k, p_.k_stride, b, j + kPrefetchTiles * w_, hk);
+          // Dense attention reads every V row: prefetched as far ahead as K.
+          if (dense_) prefetch_row(p_.v, p_.v_stride, b, j + kPrefetchTiles * w_, hk);
+        }
         this->load_row(p_.k, p_.k_stride, b, j, hk, j < tile_end, rows + t * dp_);
         risky = risky || !this->row_is_tame(rows + t * dp_);
       }
@@ -321,8 +328,10 @@ class decode_pass : public kernel<T> {
       std::int32_t* ci = slot_idx(ws, parity, r);
       sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, n, mx, used) : exp_kept<true>(cv, ci, n, mx, used);
     }
-    for (int t = 0; t < w_; ++t) {
-      if (used[t] != 0) prefetch_row(p_.v, p_.v_stride, b, j0 + t, hk);
+    if (!dense_) {
+      for (int t = 0; t < w_; ++t) {
+        if (used[t] != 0) prefetch_row(p_.v, p_.v_stride, b, j0 + t, hk);
+      }
     }
   }
 
@@ -491,6 +500,7 @@ class decode_pass : public kernel<T> {
   const int rows_, rows_mk_;
   const std::int64_t chunk_, chunks_;
   const int cstride_;  ///< per-row stride of the compacted scores and offsets (W + 2 vectors)
+  const bool dense_;   ///< N = M: every V row is read, so V is prefetched with K
 };
 
 status decode_entry(const attention_params& p) {

@@ -49,6 +49,9 @@ def main(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--seed", type=int, default=2023)
+    ap.add_argument("--ref-max-keys", type=int, default=16384,
+                    help="the float64 error check only up to this cache length (its copy is 2x the fp32 cache, "
+                         "and 4x for GQA after repeat_interleave)")
     args = ap.parse_args(argv)
     info = {"python": sys.executable, "python_version": platform.python_version()}
     try:
@@ -92,16 +95,19 @@ def main(argv):
                             t0 = time.perf_counter()
                             out = step()
                             ms.append((time.perf_counter() - t0) * 1e3)
-                        g = H // Hkv
-                        kd = k.double().repeat_interleave(g, dim=1)
-                        vd = v.double().repeat_interleave(g, dim=1)
-                        s = torch.matmul(q.double(), kd.transpose(-1, -2)) * scale
-                        if mask is not None:
-                            s = s.masked_fill(~mask, float("-inf"))
-                        ref = torch.softmax(s, dim=-1) @ vd
                         row.update({"ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
-                                    "iters": len(ms), "max_err": float((out.double() - ref).abs().max())})
-                        del q, k, v, out, kd, vd, s, ref
+                                    "iters": len(ms), "max_err": None})
+                        if Lk <= args.ref_max_keys:
+                            g = H // Hkv
+                            kd = k.double().repeat_interleave(g, dim=1)
+                            vd = v.double().repeat_interleave(g, dim=1)
+                            s = torch.matmul(q.double(), kd.transpose(-1, -2)) * scale
+                            if mask is not None:
+                                s = s.masked_fill(~mask, float("-inf"))
+                            ref = torch.softmax(s, dim=-1) @ vd
+                            row["max_err"] = float((out.double() - ref).abs().max())
+                            del kd, vd, s, ref
+                        del q, k, v, out
                     except Exception as e:  # noqa: BLE001 - report, keep going
                         row["error"] = "%s: %s" % (type(e).__name__, e)
                     results.append(row)

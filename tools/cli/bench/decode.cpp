@@ -353,6 +353,7 @@ int run_decode() {
   // Ratios within each configuration: against its memory sweep, SDPA and dfss dense.
   for (decode_row& r : rows) {
     if (!r.ok) continue;
+    if (r.what == "memory sweep") continue;  // the yardstick itself: no ratios
     for (const decode_row& o : rows) {
       if (!o.ok || !same_config(o.c, r.c)) continue;
       if (o.what == "memory sweep") r.of_bandwidth = r.gbs / o.gbs;

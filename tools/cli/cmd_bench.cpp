@@ -280,8 +280,8 @@ int run_bench() {
       std::printf(
           "\nGFLOP/s counts 4*Lq*Lk*d per head for every pattern (dense-equivalent, so it is proportional to\n"
           "1/time); speedup = dfss dense fused ms / row ms, same shape, same run; max err = max |out - fp64\n"
-          "reference| over the first %lld query rows of every head (torch rows: vs torch float64).\n",
-          static_cast<long long>(o.ref_rows));
+          "reference| over the %s %lld query rows of every head (torch rows: vs torch float64).\n",
+          o.causal ? "last" : "first", static_cast<long long>(o.ref_rows));
       print_column_notes(mi);
     }
     if (!o.json.empty()) {

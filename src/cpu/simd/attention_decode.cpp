@@ -365,8 +365,9 @@ class decode_pass : public kernel<T> {
 
   /// The panel [dp][P] of the P key rows at @p rows (row stride dp): 4 rows at a time are
   /// transposed in registers (4 x 4 within every 128-bit block) and stored a block at a time, a
-  /// quarter of the loads and stores of an element-wise transpose, which measured about half the
-  /// time of a decode step. Scalable (SVE) vectors take the element-wise loop.
+  /// quarter of the loads and stores of an element-wise transpose, which was the largest cost of a
+  /// one-row decode step in a profile (AVX-512, d = 128). Scalable (SVE) vectors take the
+  /// element-wise loop.
   void transpose_panel(const float* rows, float* panel) const {
 #if !HWY_HAVE_SCALABLE
     const DF d;

@@ -170,10 +170,7 @@ int run_bench() {
       }
     }
 
-    if (o.decode) {
-      if (o.threads == 0) o.threads = hardware_threads();
-      return run_decode();
-    }
+    if (o.decode) return run_decode();
     if (o.memory_child > 0) return run_memory_child();
     if (o.memory) return run_memory();
 

@@ -391,6 +391,34 @@ int run_decode() {
   std::printf("\n");
   for (const auto& n : notes) std::printf("%s\n", n.c_str());
   std::printf("load average at end: %s\n", load_average().c_str());
+  if (!g_opt.json.empty()) {
+    json j;
+    j["mode"] = "decode";
+    j["date"] = date;
+    j["commit"] = commit;
+    j["cpu"] = cpu_model();
+    j["threads"] = g_opt.threads;
+    j["batch"] = g_opt.batch;
+    j["query_rows"] = g_opt.query_rows;
+    j["head_dim"] = g_opt.head_dim;
+    j["notes"] = notes;
+    j["rows"] = json::array();
+    for (const decode_row& r : rows) {
+      j["rows"].push_back({{"Lk", r.c.lk}, {"H", r.c.heads}, {"Hkv", r.c.heads_kv}, {"cache", r.c.dtype},
+                           {"row", r.what}, {"kernel", r.kernel}, {"ok", r.ok}, {"reason", r.reason},
+                           {"iters", r.iters}, {"ms_median", r.ms.median}, {"ms_min", r.ms.min},
+                           {"ms_max", r.ms.max}, {"gbs", r.gbs}, {"fraction_of_bandwidth", r.of_bandwidth},
+                           {"vs_sdpa", r.vs_sdpa}, {"vs_dense", r.vs_dense}, {"max_err", r.max_err}});
+    }
+    const std::string text = j.dump(2) + "\n";  // non-finite numbers are written as null
+    try {
+      files::replace(g_opt.json, {files::piece(reinterpret_cast<const unsigned char*>(text.data()), text.size())});
+    } catch (const files::write_error& e) {
+      std::fprintf(stderr, "dfss bench: --json %s: %s\n", g_opt.json.c_str(), e.what());
+      return kExitInternal;
+    }
+    std::printf("wrote %s\n", g_opt.json.c_str());
+  }
   std::printf(
       "\nGB/s = dense K + V bytes of the cache / median time (the sparse rows read all of K but only the kept\n"
       "rows of V, so theirs is a dense-equivalent rate); %% of bw = against the memory sweep of the same\n"

@@ -158,8 +158,7 @@ TEST(CpuDecode, MatchesReferenceOnRandomInputs) {
   for (const shape& base : decode_shapes()) {
     shape s = base;
     s.bias = false;  // keep the near-tie analysis to Q K^T alone
-    // The in-register 1:2 and 2:4 selections and the generic one (the exact-score test covers all).
-    for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 4}}) {
+    for (pattern pat : kPatterns) {
       const problem pr = make_problem(s, pat, rng, /*integers=*/false);
       problem r32 = pr;
       r32.q = round_through<float>(pr.q);
@@ -168,6 +167,7 @@ TEST(CpuDecode, MatchesReferenceOnRandomInputs) {
       const auto want = run_forward(r32);
       // fp32 dot products of d terms in [-1, 1]: error below d eps_f32 (times 4 for margin).
       const auto ties = near_tie_rows(r32, 4.0 * static_cast<double>(pr.d) * kEps32);
+      const double tol = output_tol(pr);
       for (cpu_isa isa : runnable_cpu_isas()) {
         run_options opt;
         opt.type = dtype::f32;
@@ -182,7 +182,7 @@ TEST(CpuDecode, MatchesReferenceOnRandomInputs) {
           }
           for (std::int64_t c = 0; c < pr.d; ++c) {
             const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
-            ASSERT_NEAR(got.o[x], want.o[x], output_tol(pr)) << label(pr, isa, dtype::f32) << " row " << r;
+            ASSERT_NEAR(got.o[x], want.o[x], tol) << label(pr, isa, dtype::f32) << " row " << r;
           }
         }
         // Long rows meet many groups, so a near tie somewhere in a row is not rare; most rows must

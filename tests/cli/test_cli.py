@@ -244,8 +244,8 @@ class CliTest(DfssCliCase):
         self.expect_bad_input(self.base_args() + ["--pattern", "17:17"], "--pattern")
         self.expect_bad_input(self.base_args() + ["--backend", "tpu"], "--backend", "tpu")
         self.expect_bad_input(self.base_args() + ["--backend", "cuda"], "cuda")
-        self.expect_bad_input(self.base_args() + ["--key-lengths", self.save("l.npy", np.array([3, 99], dtype=np.int64))],
-                              "key_lengths", "99")
+        self.expect_bad_input(self.base_args() + ["--key-lengths", self.save("l.npy", np.array([3, -99], dtype=np.int64))],
+                              "key_lengths", "-99")
         self.expect_bad_input(self.base_args() + ["--key-lengths", self.save("lf.npy", np.array([3.0, 9.0]))],
                               "int32 or int64")
         self.expect_bad_input(self.base_args() + ["--bias", self.save("b.npy", np.zeros((3, 5)))], "--bias", "[3, 5]")

@@ -94,6 +94,18 @@ inline void fill(problem& pr, std::mt19937_64& rng, bool integers = false) {
   }
 }
 
+/// Keys and values [k0, k1) of @p pr (a key shard): sets @p part's Lk, k and v; the rest as it was.
+inline void take_keys(problem& part, const problem& pr, std::int64_t k0, std::int64_t k1) {
+  part.Lk = k1 - k0;
+  const std::int64_t row = pr.Hkv * pr.d;
+  part.k.clear(), part.v.clear();
+  for (std::int64_t b = 0; b < pr.B; ++b) {
+    const auto first = static_cast<std::ptrdiff_t>((b * pr.Lk + k0) * row), last = static_cast<std::ptrdiff_t>((b * pr.Lk + k1) * row);
+    part.k.insert(part.k.end(), pr.k.begin() + first, pr.k.begin() + last);
+    part.v.insert(part.v.end(), pr.v.begin() + first, pr.v.begin() + last);
+  }
+}
+
 /// Converts fp64 data to storage type T (round to nearest even).
 template <typename T>
 std::vector<T> convert(const std::vector<double>& x) {

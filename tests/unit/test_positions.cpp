@@ -190,17 +190,10 @@ TEST(Positions, WindowsCoveringEveryKeyAreDenseAttention) {
 /// key_offset k0, the whole problem's key lengths and query offsets.
 problem shard(const problem& pr, std::int64_t k0, std::int64_t k1) {
   problem part = pr;
-  part.Lk = k1 - k0;
+  take_keys(part, pr, k0, k1);
   part.key_offset = pr.key_offset + k0;
   if (part.query_offset.empty()) part.query_offset.assign(static_cast<std::size_t>(pr.B), pr.key_offset + pr.Lk - pr.Lq);
   if (part.key_lengths.empty()) part.key_lengths.assign(static_cast<std::size_t>(pr.B), pr.key_offset + pr.Lk);
-  const std::int64_t row = pr.Hkv * pr.d;
-  part.k.clear(), part.v.clear();
-  for (std::int64_t b = 0; b < pr.B; ++b) {
-    const auto first = static_cast<std::ptrdiff_t>((b * pr.Lk + k0) * row), last = static_cast<std::ptrdiff_t>((b * pr.Lk + k1) * row);
-    part.k.insert(part.k.end(), pr.k.begin() + first, pr.k.begin() + last);
-    part.v.insert(part.v.end(), pr.v.begin() + first, pr.v.begin() + last);
-  }
   part.has_bias = false;
   return part;
 }

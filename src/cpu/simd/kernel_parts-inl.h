@@ -564,22 +564,7 @@ struct kernel {
         hn::StoreU(hn::Add(iota, hn::Set(di, j0 + t)), di, ci + t);
       }
       kept = w_;
-    } else if (mask::tile_has_whole_groups(whole, j0, w_)) {
-      // A tile touching the sink or recent window (docs/semantics.md): its whole groups keep every
-      // key, the others their N. Few tiles per row, so the scalar rule serves.
-      for (int g = 0; g < w_; g += m) {
-        const std::uint32_t keep =
-            mask::group_is_whole(whole, j0 + g) ? (1u << m) - 1u : select_group_generic(s + g, n, m);
-        for (int x = 0; x < m; ++x) {
-          if ((keep >> x) & 1u) {
-            cv[kept] = s[g + x];
-            ci[kept] = j0 + g + x;
-            ++kept;
-          }
-        }
-      }
-      for (int t = 0; t < w_; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
-    } else if ((n == 1 && m == 2) || (n == 2 && m == 4)) {
+    } else if (((n == 1 && m == 2) || (n == 2 && m == 4)) && !mask::tile_has_whole_groups(whole, j0, w_)) {
       // W is a multiple of the panel (2 vectors): two vectors of keys give one vector of kept keys.
       for (int t = 0; t < w_; t += 2 * lanes_) {
         const VF x0 = hn::Load(d, s + t);
@@ -607,8 +592,12 @@ struct kernel {
         kept += lanes_;
       }
     } else {
+      // Other N:M, and tiles touching the sink or recent window (docs/semantics.md), whose whole
+      // groups keep every key: few tiles per row, so the scalar rule serves.
+      const bool whole_tile = mask::tile_has_whole_groups(whole, j0, w_);
       for (int g = 0; g < w_; g += m) {
-        const std::uint32_t keep = select_group_generic(s + g, n, m);
+        const std::uint32_t keep = whole_tile && mask::group_is_whole(whole, j0 + g) ? (1u << m) - 1u
+                                                                                   : select_group_generic(s + g, n, m);
         for (int x = 0; x < m; ++x) {
           if ((keep >> x) & 1u) {
             cv[kept] = s[g + x];

@@ -164,6 +164,14 @@ enum class kernel_kind : int {
   cpu_fused_backward_sve,
   cpu_fused_forward_sve2,
   cpu_fused_backward_sve2,
+  // The decode forward of the SIMD family (few query rows against a long KV cache), per target.
+  cpu_decode_forward_sse4,
+  cpu_decode_forward_avx2,
+  cpu_decode_forward_avx3,
+  cpu_decode_forward_neon,
+  cpu_decode_forward_sve,
+  cpu_decode_forward_sve2,
+  cpu_decode_forward_portable,
 };
 
 /// @brief The selector's answer: supported or not, and what runs.

@@ -44,9 +44,22 @@ status simd_forward(const attention_params& p) noexcept {
 }
 
 template <cpu::simd_target T>
+status simd_decode(const attention_params& p) noexcept {
+  return cpu::decode_forward_simd(p, T);
+}
+
+template <cpu::simd_target T>
 status simd_backward(const attention_params& p) noexcept {
   return cpu::fused_backward_simd(p, T);
 }
+
+/// The decode forward of SIMD target @p T (few query rows: cpu::decode_forward_applies), before the
+/// target's fused forward so that it wins where it applies.
+#define DFSS_DECODE_ROW(T, ISA, NAME, KIND, AUTOMATIC)                                                       \
+  {.kind = kernel_kind::KIND, .name = "cpu.decode_forward." NAME, .backend = backend::cpu,                    \
+   .dir = direction::forward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = AUTOMATIC,                  \
+   .applies = cpu::decode_forward_applies, .dtypes = kHostFloats, .needs = needs_of(T),                        \
+   .cpu_lacks = simd_lacks<T>, .run = simd_decode<T>}
 
 /// The rows of SIMD target @p T: forward and backward under their own cpu_isa value, in the
 /// automatic preference order of the table.
@@ -77,14 +90,21 @@ const kernel_entry kKernels[] = {
     // marked automatic, so the order is the preference. Each backward runs after (or with the O and
     // LSE of) the forward of its target.
 #if defined(__x86_64__)
+    DFSS_DECODE_ROW(cpu::simd_target::avx3, avx3, "avx3", cpu_decode_forward_avx3, true),
     DFSS_SIMD_ROWS(cpu::simd_target::avx3, avx3, "avx3", cpu_fused_forward_avx3, cpu_fused_backward_avx3),
+    DFSS_DECODE_ROW(cpu::simd_target::avx2, avx2, "avx2", cpu_decode_forward_avx2, true),
     DFSS_SIMD_ROWS(cpu::simd_target::avx2, avx2, "avx2", cpu_fused_forward_avx2, cpu_fused_backward_avx2),
+    DFSS_DECODE_ROW(cpu::simd_target::sse4, sse4, "sse4", cpu_decode_forward_sse4, true),
     DFSS_SIMD_ROWS(cpu::simd_target::sse4, sse4, "sse4", cpu_fused_forward_sse4, cpu_fused_backward_sse4),
 #elif defined(__aarch64__)
+    DFSS_DECODE_ROW(cpu::simd_target::sve2, sve2, "sve2", cpu_decode_forward_sve2, true),
     DFSS_SIMD_ROWS(cpu::simd_target::sve2, sve2, "sve2", cpu_fused_forward_sve2, cpu_fused_backward_sve2),
+    DFSS_DECODE_ROW(cpu::simd_target::sve, sve, "sve", cpu_decode_forward_sve, true),
     DFSS_SIMD_ROWS(cpu::simd_target::sve, sve, "sve", cpu_fused_forward_sve, cpu_fused_backward_sve),
+    DFSS_DECODE_ROW(cpu::simd_target::neon, neon, "neon", cpu_decode_forward_neon, true),
     DFSS_SIMD_ROWS(cpu::simd_target::neon, neon, "neon", cpu_fused_forward_neon, cpu_fused_backward_neon),
 #endif
+    DFSS_DECODE_ROW(kBaseline, portable, "portable", cpu_decode_forward_portable, false),
     {.kind = kernel_kind::cpu_fused_forward_portable, .name = "cpu.fused_forward.portable", .backend = backend::cpu,
      .dir = direction::forward, .isa = cpu_isa::portable, .isa_name = "portable", .dtypes = kHostFloats,
      .needs = needs_of(kBaseline), .cpu_lacks = simd_lacks<kBaseline>, .run = simd_forward<kBaseline>},
@@ -116,6 +136,7 @@ const kernel_entry kKernels[] = {
 };
 
 #undef DFSS_SIMD_ROWS
+#undef DFSS_DECODE_ROW
 
 }  // namespace
 

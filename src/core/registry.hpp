@@ -46,6 +46,9 @@ struct kernel_entry {
   bool every_isa = false;
   /// CPU only: a candidate of cpu_isa::automatic; the first runnable candidate in table order runs.
   bool automatic = false;
+  /// Only for the shapes where applies(p) holds (null: every shape), a rule of the shape alone: the
+  /// decode kernels, for few query rows. The selector skips a row whose rule does not hold.
+  bool (*applies)(const attention_params& p) noexcept = nullptr;
   /// Input types it takes (dtype_bit of each).
   unsigned dtypes = 0;
   /// What the machine must have, for `dfss info` ("" when nothing), e.g. "AVX2, FMA (F16C for f16)".

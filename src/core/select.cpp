@@ -54,7 +54,9 @@ kernel_selection select_cpu(const attention_params& p, const attention_config& c
                                     "; use backend reference");
   }
   const cpu_algorithm algorithm = dir == direction::backward ? cpu_algorithm::fused : c.cpu_algorithm;
-  const auto of_algorithm = [&](const kernel_entry& e) { return e.algorithm == algorithm && e.takes(t); };
+  const auto of_algorithm = [&](const kernel_entry& e) {
+    return e.algorithm == algorithm && e.takes(t) && (e.applies == nullptr || e.applies(p));
+  };
   if (const kernel_entry* e = first(backend::cpu, dir, [&](const kernel_entry& x) { return of_algorithm(x) && x.every_isa; })) {
     return make(*e);
   }

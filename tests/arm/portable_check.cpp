@@ -29,6 +29,11 @@ dfss::cpu_isa g_isa = dfss::cpu_isa::neon;
 std::string kernel_name(bool forward) {
   return std::string(forward ? "cpu.fused_forward." : "cpu.fused_backward.") + dfss::cpu_isa_name(g_isa);
 }
+/// The forward the selector runs for @p lq query rows: the decode kernel up to 8 rows
+/// (cpu::kDecodeMaxQueryRows), the fused forward above.
+std::string forward_name(long long lq) {
+  return lq <= 8 ? std::string("cpu.decode_forward.") + dfss::cpu_isa_name(g_isa) : kernel_name(true);
+}
 
 void check(bool ok, const char* what, long long a, long long b, long long c, const char* pat) {
   if (ok) {
@@ -317,7 +322,7 @@ void check_target() {
         cfg.pattern = pat;
         cfg.causal = causal;
         const auto sel = dfss::select_kernel(a, cfg);
-        check(sel.name == kernel_name(true), "the target's forward is selected", s.Lq, s.Lk, s.d,
+        check(sel.name == forward_name(s.Lq), "the target's forward is selected", s.Lq, s.Lk, s.d,
               pat.str().c_str());
         dfss::attention_forward(a, cfg);
         dfss::forward_args r;
@@ -355,12 +360,13 @@ int main() {
   a.out = dfss::make_view(o.data(), {1, 1, 1, 4});
   dfss::attention_config cfg;
   cfg.cpu_isa = dfss::cpu_isa::portable;
-  check(dfss::select_kernel(a, cfg).name == "cpu.fused_forward.portable", "portable is selectable", 1, 1, 4, "-");
+  // One query row: the decode forward of the target.
+  check(dfss::select_kernel(a, cfg).name == "cpu.decode_forward.portable", "portable is selectable", 1, 1, 4, "-");
   std::string best;
   for (const dfss::cpu_isa_support& t : dfss::cpu_simd_isas()) {
     std::printf("target %s: %s\n", dfss::cpu_isa_name(t.isa), t.supported ? "supported, checking" : "not supported here");
     if (!t.supported) continue;
-    if (best.empty()) best = std::string("cpu.fused_forward.") + dfss::cpu_isa_name(t.isa);
+    if (best.empty()) best = std::string("cpu.decode_forward.") + dfss::cpu_isa_name(t.isa);
     g_isa = t.isa;
     const int before = failed;
     const auto start = std::chrono::steady_clock::now();

@@ -416,6 +416,63 @@ TEST_P(ExtremeForward, MatchesReference) {
   EXPECT_GT(ran, 0);
 }
 
+/// Rows [i0, i0 + n) of @p pr as a problem of their own (Q, dO and bias rows; K, V, masks as they
+/// are): a decode-sized slice of a case. Under a causal mask the slice is bottom-right aligned
+/// again, so it is a different problem, checked against its own reference.
+problem slice_rows(const problem& pr, std::int64_t i0, std::int64_t n) {
+  problem out = pr;
+  out.Lq = n;
+  const auto rows = [&](const std::vector<double>& x, std::int64_t outer, std::int64_t row_size) {
+    std::vector<double> y;
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t i = i0; i < i0 + n; ++i) {
+        const auto at = x.begin() + static_cast<std::ptrdiff_t>((o * pr.Lq + i) * row_size);
+        y.insert(y.end(), at, at + static_cast<std::ptrdiff_t>(row_size));
+      }
+    return y;
+  };
+  out.q = rows(pr.q, pr.B, pr.H * pr.d);
+  out.dout = rows(pr.dout, pr.B, pr.H * pr.d);
+  if (pr.has_bias) out.bias = rows(pr.bias, (pr.bias_b ? pr.B : 1) * (pr.bias_h ? pr.H : 1), pr.Lk);
+  return out;
+}
+
+/// The decode kernel (selected for few query rows on every SIMD target) on slices of 4 rows of
+/// every case: rows 0 to 11, where the cases put their special rows (a NaN row, a +inf kept or
+/// masked, an empty row, huge scores, a tie), against the reference of each slice.
+TEST_P(ExtremeForward, DecodeSlicesMatchReference) {
+  const kernel& kn = kForward[static_cast<std::size_t>(std::get<0>(GetParam()))];
+  if (kn.algorithm != cpu_algorithm::fused) GTEST_SKIP() << "the decode kernel is a fused kernel";
+  const extreme_case whole = make_case(std::get<1>(GetParam()));
+  int ran = 0;
+  for (std::int64_t i0 : {0, 4, 8}) {
+    extreme_case c = whole;
+    c.pr = slice_rows(whole.pr, i0, 4);
+    for (pattern pat : kPatterns) {
+      c.pr.pat = pat;
+      for (dtype t : kTypes) {
+        problem pr;
+        if (!rounded_to(c.pr, t, pr)) continue;
+        const auto want = run_forward(pr);
+        for (double poison : {kNaN, kFinitePoison}) {
+          run_options opt;
+          opt.type = t;
+          opt.out_type = dtype::f32;
+          opt.backend = backend::cpu;
+          opt.isa = kn.isa;
+          opt.poison = poison;
+          const auto got = run_forward(pr, opt);
+          expect_forward_matches(c, pr, got, want,
+                                 pr.describe() + " rows from " + std::to_string(i0) + " " + dtype_name(t) +
+                                     " poison " + std::to_string(poison));
+          ++ran;
+        }
+      }
+    }
+  }
+  EXPECT_GT(ran, 0);
+}
+
 TEST_P(ExtremeBackward, MatchesReference) {
   const kernel& kn = kBackward[static_cast<std::size_t>(std::get<0>(GetParam()))];
   extreme_case c = make_case(std::get<1>(GetParam()));

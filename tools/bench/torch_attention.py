@@ -85,9 +85,18 @@ def parse_args(argv):
                     help="the methods timed for the 16-bit dtypes of --dtypes")
     ap.add_argument("--mode", default="forward", choices=["forward", "backward"],
                     help="forward: forward calls; backward: forward + backward through autograd")
+    ap.add_argument("--causal", action="store_true",
+                    help="causal mask (Lq = Lk, so top-left = bottom-right): SDPA is_causal=True, bmm a -inf "
+                         "upper triangle; the error is then on the last ref-rows query rows")
     ap.add_argument("--ref-length", type=int, default=256,
                     help="--mode backward: L of the reduced problem the gradient error is computed on")
     return ap.parse_args(argv)
+
+
+def causal_mask_of(torch, lq, lk):
+    """An additive float32 mask [lq, lk]: -inf above the bottom-right aligned diagonal (dfss's rule)."""
+    keep = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+    return torch.zeros(lq, lk).masked_fill(~keep, float("-inf"))
 
 
 def env_info():
@@ -136,19 +145,24 @@ def main(argv):
                 if name == "fp32" or m in low_methods]
     scale = 1.0 / math.sqrt(d)
 
+    def causal_mask(lq, lk):
+        return causal_mask_of(torch, lq, lk)
+
     def bmm_attention(q, k, v):  # [B*H, L, d]
         s = torch.bmm(q, k.transpose(1, 2))
         s.mul_(scale)
+        if args.causal:
+            s.add_(causal_mask(s.shape[1], s.shape[2]).to(s.dtype))
         p = torch.softmax(s, dim=-1)
         return torch.bmm(p, v)
 
     if info["sdpa"] == "public":
         def sdpa(q, k, v):  # [B, H, L, d]
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
         sdpa_label = "sdpa"
     elif info["sdpa"] == "private":
         def sdpa(q, k, v):
-            return F._scaled_dot_product_attention(q, k, v, None, 0.0, False, False)[0]
+            return F._scaled_dot_product_attention(q, k, v, None, 0.0, False, args.causal)[0]
         sdpa_label = "sdpa-private"
     else:
         sdpa = None
@@ -202,10 +216,16 @@ def main(argv):
                         t0 = time.perf_counter()
                         out = fn(*inputs)
                         ms.append((time.perf_counter() - t0) * 1e3)
-                    # Error on the first R query rows of every head, against float64 of the same math.
-                    qd, kd, vd = q[:, :, :R].double(), k.double(), v.double()
-                    ref = torch.softmax(torch.matmul(qd, kd.transpose(-1, -2)) * scale, dim=-1) @ vd
-                    got = out.reshape(B, H, L, d)[:, :, :R].double()
+                    # Error on the first R query rows of every head (causal: the last R, whose keys
+                    # under the bottom-right mask are those of the full problem), against float64
+                    # of the same math.
+                    r0 = L - R if args.causal else 0
+                    qd, kd, vd = q[:, :, r0:r0 + R].double(), k.double(), v.double()
+                    sc = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+                    if args.causal:
+                        sc = sc + causal_mask(R, L).double()
+                    ref = torch.softmax(sc, dim=-1) @ vd
+                    got = out.reshape(B, H, L, d)[:, :, r0:r0 + R].double()
                     row.update({
                         "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
                         "iters": iters, "max_err": float((got - ref).abs().max()),
@@ -252,7 +272,10 @@ def run_backward(torch, args, lengths, plan, B, H, d, scale, bmm_attention, sdpa
         fwd_bwd(fn, layout, q, k, v, dout)
         got = [t.grad.double() for t in (q, k, v)]
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        ref = torch.softmax(torch.matmul(qd, kd.transpose(-1, -2)) * scale, dim=-1) @ vd
+        sc = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+        if args.causal:
+            sc = sc + causal_mask_of(torch, L, L).double()
+        ref = torch.softmax(sc, dim=-1) @ vd
         ref.backward(dout.double())
         want = [qd.grad, kd.grad, vd.grad]
         return max(float((g - w).abs().max()) for g, w in zip(got, want))

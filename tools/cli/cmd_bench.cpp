@@ -67,7 +67,7 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--batch", o.batch, "batch size")->capture_default_str();
   c->add_option("--heads", o.heads, "attention heads")->capture_default_str();
-  c->add_option("--head-dim", o.head_dim, "head dimension")->capture_default_str();
+  g_head_dim_option = c->add_option("--head-dim", o.head_dim, "head dimension (--decode: default 128)")->capture_default_str();
   c->add_option("--threads", o.threads, "threads for dfss, torch and OpenBLAS (0: all)")
       ->capture_default_str();
   c->add_option("--dtype", o.dtype_name,
@@ -106,6 +106,19 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--memory-heads", o.memory_heads, "heads for --memory")->capture_default_str();
   c->add_option("--memory-child", o.memory_child, "internal: one forward call for --memory")->group("");
+  c->add_flag("--decode", o.decode,
+              "one decode step against a KV cache (B=1, d=128, Lq=--query-rows): dfss rows, SDPA and the memory "
+              "bandwidth; --lengths are cache lengths (default 4096,16384,65536)");
+  c->add_option("--decode-heads", o.decode_heads, "--decode: H:Hkv query and kv heads (MHA 32:32, GQA 32:8)")
+      ->delimiter(',')
+      ->capture_default_str();
+  c->add_option("--decode-dtypes", o.decode_dtypes, "--decode: cache types (f32, f16, bf16)")
+      ->delimiter(',')
+      ->capture_default_str();
+  c->add_option("--query-rows", o.query_rows, "--decode: query rows per step (speculative drafts > 1)")
+      ->capture_default_str();
+  c->add_flag("--causal", o.causal,
+              "causal mask (prefill; Lq = Lk so bottom-right = top-left): dfss causal, SDPA is_causal=True");
 }
 
 int run_bench() {
@@ -119,6 +132,14 @@ int run_bench() {
     // The backward sweep stops at 2048 by default (it is 3 to 4 times slower per length than the forward).
     if (o.backward && g_lengths_option != nullptr && g_lengths_option->count() == 0)
       o.lengths = {512, 1024, 2048};
+    if (o.decode) {
+      if (o.backward || o.memory || o.memory_child > 0 || o.causal) {
+        std::fprintf(stderr, "dfss bench: --decode cannot be combined with --backward, --memory or --causal\n");
+        return kExitBadInput;
+      }
+      if (g_lengths_option != nullptr && g_lengths_option->count() == 0) o.lengths = {4096, 16384, 65536};
+      if (g_head_dim_option != nullptr && g_head_dim_option->count() == 0) o.head_dim = 128;
+    }
     if (o.batch < 1 || o.heads < 1 || o.head_dim < 1 || o.memory_heads < 1 || o.warmup < 1 || o.iters < 1 ||
         o.threads < 0 || o.ref_rows < 0 || o.lengths.empty() || o.patterns.empty() || o.algorithms.empty() ||
         o.isas.empty()) {
@@ -149,6 +170,7 @@ int run_bench() {
       }
     }
 
+    if (o.decode) return run_decode();
     if (o.memory_child > 0) return run_memory_child();
     if (o.memory) return run_memory();
 
@@ -166,9 +188,9 @@ int run_bench() {
                 mi.kernel.c_str(), mi.isa.c_str(), o.backward ? "forward (backward: see the kernel column)" : "forward");
     std::printf(
         "run: %s, %d threads, %s inputs (standard normal), warmup %d, median of up to %d calls (budget %gs "
-        "per configuration), non-causal, no masks\n",
+        "per configuration), %s, no other masks\n",
         o.backward ? "forward + backward (--backward)" : "forward", o.threads, o.dtype_name.c_str(), o.warmup,
-        o.iters, o.budget_s);
+        o.iters, o.budget_s, o.causal ? "causal (--causal)" : "non-causal");
     std::printf("load average at start: %s\n", load_average().c_str());
     std::printf("repro: %s\n\n", repro_command().c_str());
     std::fflush(stdout);
@@ -255,8 +277,8 @@ int run_bench() {
       std::printf(
           "\nGFLOP/s counts 4*Lq*Lk*d per head for every pattern (dense-equivalent, so it is proportional to\n"
           "1/time); speedup = dfss dense fused ms / row ms, same shape, same run; max err = max |out - fp64\n"
-          "reference| over the first %lld query rows of every head (torch rows: vs torch float64).\n",
-          static_cast<long long>(o.ref_rows));
+          "reference| over the %s %lld query rows of every head (torch rows: vs torch float64).\n",
+          o.causal ? "last" : "first", static_cast<long long>(o.ref_rows));
       print_column_notes(mi);
     }
     if (!o.json.empty()) {

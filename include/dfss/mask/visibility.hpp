@@ -90,6 +90,13 @@ DFSS_HD bool group_is_whole(const whole_groups& w, std::int64_t g0) {
   return g0 < w.sink_end || (g0 >= w.recent_begin && g0 < w.recent_end);
 }
 
+/// @brief @p w seen from a tile that starts at local key @p j0 (a multiple of M): the same groups
+/// in tile-relative key indices (the sentinel INT64_MAX stays beyond every tile).
+DFSS_HD whole_groups shifted(const whole_groups& w, std::int64_t j0) {
+  const auto shift = [j0](std::int64_t x) { return x == INT64_MAX ? x : x - j0; };
+  return {shift(w.sink_end), shift(w.recent_begin), shift(w.recent_end)};
+}
+
 /// @brief Whether the tile of local keys [j0, j0 + width) holds a group kept whole.
 DFSS_HD bool tile_has_whole_groups(const whole_groups& w, std::int64_t j0, std::int64_t width) {
   return j0 < w.sink_end || (j0 + width > w.recent_begin && j0 < w.recent_end);

@@ -3,6 +3,7 @@
 // translation unit: it fixes HWY_DISABLED_TARGETS, which decides what hwy/foreach_target.h compiles.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -51,6 +52,23 @@ cpu_isa cpu_isa_of(simd_target t) noexcept;
 /// contract as fused_forward_scalar (f32, f16, bf16 inputs; any N:M with M <= 16; bitwise identical
 /// results for every thread count).
 status fused_forward_simd(const attention_params& p, simd_target t) noexcept;
+
+/// @brief Largest seqlen_q the decode kernel is selected for (decode_forward_applies). Measured on
+/// Zen 5 (avx3, 2 threads, d = 128, Lk = 4096, H = Hkv = 32 and H = 32, Hkv = 8; docs/benchmarks.md):
+/// the decode kernel is faster than the fused forward up to this many query rows (speculative
+/// decoding drafts), the fused forward from about twice as many, where its whole-head packing is
+/// shared by enough rows.
+inline constexpr std::int64_t kDecodeMaxQueryRows = 8;
+
+/// @brief Whether the selector runs the decode kernel for @p p (a shape rule only, never the thread
+/// count, so a shape always runs the same kernel): seqlen_q <= kDecodeMaxQueryRows.
+bool decode_forward_applies(const attention_params& p) noexcept;
+
+/// @brief DFSS decode forward on target @p t (src/cpu/simd/attention_decode.cpp): the function of
+/// fused_forward_simd (same scores and selection, same non-finite semantics) with tasks over
+/// (batch, kv head, key chunk) and an exact merge of the chunks; bitwise identical results for
+/// every thread count. Forward only (the fused backward handles training).
+status decode_forward_simd(const attention_params& p, simd_target t) noexcept;
 
 /// @brief Fused DFSS backward on target @p t: dQ, dK, dV and dBias (summed over its broadcast
 /// dimensions). Requires p.o and p.lse from fused_forward_simd on the same target: it recomputes

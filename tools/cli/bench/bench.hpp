@@ -49,10 +49,18 @@ struct bench_options {
   std::vector<std::string> memory_patterns{"2:4"};
   long long memory_heads = 1;
   long long memory_child = 0;  // hidden: run one forward call of this length and print ru_maxrss
+  // --decode
+  bool decode = false;
+  std::vector<std::string> decode_heads{"32:32", "32:8"};
+  std::vector<std::string> decode_dtypes{"f32", "bf16"};
+  long long query_rows = 1;
+  // --causal: the sweep with a causal mask (prefill), SDPA with is_causal=True
+  bool causal = false;
 };
 
 extern bench_options g_opt;
 extern CLI::Option* g_lengths_option;  // to tell a given --lengths from the default
+extern CLI::Option* g_head_dim_option;  // to tell a given --head-dim from the default (--decode: 128)
 
 /// --backward: the gradient error is computed on a problem of this length (or L when shorter).
 inline constexpr long long kBackwardRefLength = 256;
@@ -239,6 +247,9 @@ struct torch_peer {
 
 std::vector<torch_peer> probe_torch_peers(std::vector<std::string>& notes);
 bool runs_tuned(const torch_peer& peer);
+std::string find_torch_script();
+bool read_torch_json(const std::string& output, json& out);
+std::string torch_env(bool tuned);
 void bench_torch(const std::vector<torch_peer>& peers, std::vector<row>& rows, std::vector<std::string>& notes);
 
 // ---------------------------------------------------------------------------------------------
@@ -269,5 +280,7 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
                 const std::string& commit, const std::vector<std::string>& notes);
 int run_memory_child();
 int run_memory();
+/// --decode (decode.cpp): one decode step against a KV cache, with the memory sweep and SDPA.
+int run_decode();
 
 }  // namespace dfss::cli::bench

@@ -161,6 +161,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
         s->cfg.num_threads = g_opt.threads;
         s->cfg.cpu_algorithm = algorithm;
         s->cfg.cpu_isa = parse_cpu_isa(g_opt.isas[ii], "--isa");
+        s->cfg.causal = g_opt.causal;
         s->r.source = "dfss";
         s->r.B = B;
         s->r.H = H;
@@ -259,15 +260,17 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     return;
   }
 
-  // fp64 reference on the first R query rows of every head (one per pattern).
+  // fp64 reference on R query rows of every head (one per pattern): the first R, or with --causal the
+  // last R, which see the keys they see in the full problem under the bottom-right causal mask.
   const std::int64_t R = std::min<std::int64_t>(g_opt.ref_rows, L);
+  const std::int64_t r0 = g_opt.causal ? L - R : 0;
   std::map<std::string, std::vector<double>> refs;
   std::vector<double> qd, kd, vd;
   if (!g_opt.no_ref && R > 0) {
     qd.resize(static_cast<std::size_t>(B * R * H * d));
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t i = 0; i < R * H * d; ++i)
-        qd[static_cast<std::size_t>(b * R * H * d + i)] = q.at(static_cast<std::size_t>(b * L * H * d + i));
+        qd[static_cast<std::size_t>(b * R * H * d + i)] = q.at(static_cast<std::size_t>((b * L + r0) * H * d + i));
     kd.resize(n);
     vd.resize(n);
     for (std::size_t i = 0; i < n; ++i) {
@@ -299,7 +302,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     double err = 0;
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t i = 0; i < R * H * d; ++i) {
-        const double got = static_cast<double>(s->out[static_cast<std::size_t>(b * L * H * d + i)]);
+        const double got = static_cast<double>(s->out[static_cast<std::size_t>((b * L + r0) * H * d + i)]);
         const double want = it->second[static_cast<std::size_t>(b * R * H * d + i)];
         const double e = std::fabs(got - want);
         err = (std::isnan(e) || e > err) ? e : err;

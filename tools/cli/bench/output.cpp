@@ -17,6 +17,7 @@ std::string repro_command() {
     << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
     << g_opt.ref_rows;
   if (g_opt.backward) c << " --backward";
+  if (g_opt.causal) c << " --causal";
   if (g_opt.no_torch) c << " --no-torch";
   if (!g_opt.no_torch) c << " --python " << join(g_opt.python);
   if (g_opt.no_torch_tuned) c << " --no-torch-tuned";

@@ -104,6 +104,7 @@ void bench_torch(const std::vector<torch_peer>& peers, std::vector<row>& rows, s
           << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
           << g_opt.ref_rows << " --dtypes " << torch_dtypes;
       if (g_opt.backward) cmd << " --mode backward --ref-length " << kBackwardRefLength;
+      if (g_opt.causal) cmd << " --causal";
       log_stderr("  torch %s%s (%s)\n", peer.version.c_str(), tuned ? ", tuned" : "", peer.python.c_str());
       g_progress.show(++g_rows_done, 1,
                       "torch " + peer.version + (tuned ? ", tuned" : "") + " (" + torch_dtypes + ", every length)");

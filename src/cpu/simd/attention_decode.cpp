@@ -1,0 +1,546 @@
+// The DFSS decode forward (few query rows against a long KV cache) over Google Highway, compiled once
+// per SIMD target like attention_forward.cpp and picked by the selector for seqlen_q <=
+// kDecodeMaxQueryRows (targets.hpp).
+//
+// The fused forward splits work over query rows and packs the whole K and V of a (batch, kv head)
+// per worker: with one query row that is all overhead (the cache is read, written packed, read
+// again) and B * H tasks may not fill the threads. Here a task is (batch, kv head, key chunk):
+//   1. The Q rows of every query head of the group and every query row (group * Lq rows) are loaded
+//      once per task.
+//   2. Per key tile of W keys of the chunk: the tile of K is converted into the micro-kernel's panels
+//      (read once, for all the rows of the group), S = Q K^T with the fused forward's micro-kernel
+//      (same summation order, so the scores are bitwise those of the fused forward and the
+//      selection is identical), then per row bias, masks (key_limit), NaN / +inf detection and the
+//      N:M selection with compaction (kernel<T>::compact, the fused forward's code), and the online
+//      softmax update of the row.
+//   3. The V rows of the tile are read only where some row of the group kept the key with a finite
+//      score (the union over the group's heads and rows), then acc += p * V[key] per row over its
+//      kept keys.
+// Each task leaves its rows' partial state (max m_c, sum l_c, unnormalised accumulator, NaN flag).
+// A second pass per (batch, kv head) folds the chunks in increasing order with the online softmax
+// rescale (the same update the forward applies between key tiles): m = max(m, m_c),
+// l = l e^(scale (m_old - m)) + l_c e^(scale (m_c - m)), likewise the accumulator. This is the exact
+// LSE merge of docs/semantics.md (LSE_c = scale m_c + log l_c) held as (m, l) instead of LSE, so a
+// chunk whose scale * m_c overflows fp32 (LSE = +inf) still merges to the fused forward's finite O.
+//
+// The chunk length depends on the shape only (decode_chunk_keys), is a multiple of W (so of M and
+// of the panel), and the fold order is fixed: results are bitwise identical for any thread count.
+// Memory: per thread O(W (d + group Lq)) scratch; per call the partial states, O(B Hkv chunks group
+// Lq d) floats.
+#include "cpu/simd/targets.hpp"  // first: it fixes the compiled targets
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/simd/attention_decode.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "cpu/simd/kernel_parts-inl.h"
+
+#ifndef DFSS_CPU_SIMD_DECODE_ONCE_
+#define DFSS_CPU_SIMD_DECODE_ONCE_
+namespace dfss::cpu::simd {
+
+/// Tasks a decode call aims for over all (batch, kv head) pairs: enough for dynamic scheduling to
+/// balance up to a few dozen threads (and a padded cache whose sequences end early).
+inline constexpr std::int64_t kDecodeTargetTasks = 128;
+/// Shortest key chunk: at d = 128 in fp32, 512 keys are 512 KiB of K and V per task, so the per-task
+/// cost (loading the group's Q rows, writing and folding one partial state per row) stays below 1%.
+inline constexpr std::int64_t kDecodeMinChunk = 512;
+/// How far ahead K is prefetched, in key tiles.
+inline constexpr std::int64_t kPrefetchTiles = 1;
+/// Bytes per prefetch: the cache line of every x86-64 and AArch64 core dfss targets.
+inline constexpr std::int64_t kCacheLine = 64;
+
+/// Keys per chunk: a multiple of the key tile width @p w (so of M), a function of the shape only.
+inline std::int64_t decode_chunk_keys(const attention_params& p, int w) {
+  const std::int64_t pairs = std::max<std::int64_t>(1, p.batch * p.heads_kv);
+  const std::int64_t want = (kDecodeTargetTasks + pairs - 1) / pairs;
+  const std::int64_t most = std::max<std::int64_t>(1, (p.seqlen_k + kDecodeMinChunk - 1) / kDecodeMinChunk);
+  const std::int64_t chunks = std::min(want, most);
+  const std::int64_t keys = (p.seqlen_k + chunks - 1) / chunks;
+  return std::max<std::int64_t>(w, (keys + w - 1) / w * w);
+}
+
+}  // namespace dfss::cpu::simd
+#endif  // DFSS_CPU_SIMD_DECODE_ONCE_
+
+HWY_BEFORE_NAMESPACE();
+namespace dfss::cpu::simd::HWY_NAMESPACE {
+
+#if DFSS_SIMD_KERNEL_TARGET
+
+/// S[R][P] = Q[R][dp] x Kt panel [dp][P] for R = 1 or 2 query rows: the fused forward's
+/// microkernel (kernel_parts-inl.h) for fewer rows, with the same arithmetic per (row, key) lane (one
+/// MulAdd per c, c increasing), so its scores are bitwise the fused forward's. A decode step of one
+/// or two rows per kv head would waste 3/4 or 7/8 of microkernel<4 or 8>'s multiplies on zero rows.
+template <int R>
+HWY_INLINE void few_rows_microkernel(const float* HWY_RESTRICT q, std::int64_t ldq, const float* HWY_RESTRICT kt,
+                                     int dp, float* HWY_RESTRICT s, std::int64_t lds) {
+  static_assert(R == 1 || R == 2, "few_rows_microkernel: 1 or 2 rows");
+  const DF d;
+  const std::size_t L = hn::Lanes(d);
+  const std::size_t P = 2 * L;
+  VF c00 = hn::Zero(d), c01 = c00, c10 = c00, c11 = c00;
+  for (int c = 0; c < dp; ++c) {
+    const VF b0 = hn::Load(d, kt + c * P);
+    const VF b1 = hn::Load(d, kt + c * P + L);
+    VF a = hn::Set(d, q[c]);
+    c00 = hn::MulAdd(a, b0, c00);
+    c01 = hn::MulAdd(a, b1, c01);
+    if constexpr (R == 2) {
+      a = hn::Set(d, q[ldq + c]);
+      c10 = hn::MulAdd(a, b0, c10);
+      c11 = hn::MulAdd(a, b1, c11);
+    }
+  }
+  hn::Store(c00, d, s);
+  hn::Store(c01, d, s + L);
+  if constexpr (R == 2) {
+    hn::Store(c10, d, s + lds);
+    hn::Store(c11, d, s + lds + L);
+  }
+}
+
+#if !HWY_HAVE_SCALABLE
+/// Stores the 128-bit blocks of @p v: block b at dst + b * stride.
+template <class D>
+HWY_INLINE void store_blocks(D d, hn::Vec<D> v, float* dst, std::int64_t stride) {
+  if constexpr (hn::MaxLanes(D()) <= 4) {
+    hn::StoreU(v, d, dst);
+  } else {
+    const hn::Half<D> dh;
+    store_blocks(dh, hn::LowerHalf(dh, v), dst, stride);
+    store_blocks(dh, hn::UpperHalf(dh, v), dst + static_cast<std::int64_t>(hn::MaxLanes(D()) / 8) * stride, stride);
+  }
+}
+#endif
+
+/// Per-thread scratch of the decode tasks (worker_scratch): the group's Q rows, one K tile in
+/// panels, the S tile, the kept V rows of the tile, and per row its compacted kept scores and
+/// offsets, accumulator and softmax state.
+struct decode_workspace {
+  aligned_buffer<float> q, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
+  aligned_buffer<std::int32_t> ci, kept, row_nan, used;
+};
+
+template <typename T>
+class decode_pass : public kernel<T> {
+ public:
+  using base = kernel<T>;
+
+  explicit decode_pass(const attention_params& p)
+      : base(p),
+        rows_(static_cast<int>(group_ * p.seqlen_q)),
+        rows_mk_(rows_ <= 2 ? rows_ : (rows_ + 3) / 4 * 4),
+        chunk_(decode_chunk_keys(p, w_)),
+        chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)),
+        cstride_(w_ + 2 * lanes_),
+        dense_(p.pattern_n == p.pattern_m) {}
+
+  void run() const {
+    const std::int64_t pairs = p_.batch * p_.heads_kv;
+    const std::int64_t tasks = pairs * chunks_;
+    const auto states = static_cast<std::size_t>(tasks * rows_);
+    std::vector<float> part_acc(states * static_cast<std::size_t>(dp_)), part_max(states), part_sum(states);
+    std::vector<unsigned char> part_nan(states);
+    partials parts{part_acc.data(), part_max.data(), part_sum.data(), part_nan.data()};
+    // Tasks cost the same but for masks (key lengths, causal rows): one at a time.
+    parallel_for(
+        tasks, p_.num_threads, schedule::dynamic, [&] { reserve(worker_scratch<decode_workspace>()); },
+        [&](std::int64_t t) { task(worker_scratch<decode_workspace>(), t, parts); });
+    parallel_for(
+        pairs, p_.num_threads, schedule::contiguous, [] {}, [&](std::int64_t pair) { fold(pair, parts); });
+  }
+
+ private:
+  using base::d_;
+  using base::dp_;
+  using base::e1_;
+  using base::e2_;
+  using base::group_;
+  using base::lanes_;
+  using base::p_;
+  using base::panel_;
+  using base::scale_;
+  using base::w_;
+
+  /// The partial states of every task: [task][row] (accumulators [task][row][dp]).
+  struct partials {
+    float* acc;
+    float* max;
+    float* sum;
+    unsigned char* nan;
+  };
+
+  void reserve(decode_workspace& ws) const {
+    const auto rows = static_cast<std::size_t>(rows_mk_);
+    const auto dp = static_cast<std::size_t>(dp_), w = static_cast<std::size_t>(w_);
+    ws.q.resize(rows * dp);
+    ws.kt.resize(w * dp);
+    ws.rows.resize(static_cast<std::size_t>(panel_) * dp);
+    ws.s.resize(rows * w);
+    ws.vt.resize((w + 1) * dp);
+    ws.acc.resize(rows * dp);
+    // Two sets of compacted slots, kept counts and used keys: the tile being selected and the one
+    // whose P V is pending.
+    ws.cv.resize(2 * rows * static_cast<std::size_t>(cstride_));
+    ws.ci.resize(2 * rows * static_cast<std::size_t>(cstride_));
+    ws.kept.resize(2 * rows);
+    ws.used.resize(2 * w);
+    ws.row_max.resize(rows);
+    ws.row_sum.resize(rows);
+    ws.row_tile_max.resize(rows);
+    ws.row_nan.resize(rows);
+    // Row w of the tile's V is the zero row that masked and padding slots point at.
+    std::fill(ws.vt.ptr + w * dp, ws.vt.ptr + (w + 1) * dp, 0.0f);
+    std::fill(ws.used.ptr, ws.used.ptr + 2 * w, 0);
+  }
+
+  /// Query head and row of task row r (rows are head-major: r = head in group * Lq + row).
+  std::int64_t head_of(std::int64_t hk, int r) const { return hk * group_ + r / p_.seqlen_q; }
+  std::int64_t row_of(int r) const { return r % p_.seqlen_q; }
+
+  void task(decode_workspace& ws, std::int64_t t, const partials& parts) const {
+    const std::int64_t chunk = t % chunks_;
+    const std::int64_t hk = (t / chunks_) % p_.heads_kv;
+    const std::int64_t b = t / (chunks_ * p_.heads_kv);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    std::int64_t tile_end = 0;  // keys at or past every row's limit are never read
+    for (std::int64_t i = 0; i < p_.seqlen_q; ++i) tile_end = std::max(tile_end, this->key_limit(b, i));
+    const std::int64_t j_begin = chunk * chunk_;
+    const std::int64_t j_end = std::min(j_begin + chunk_, tile_end);
+
+    std::fill(ws.acc.ptr, ws.acc.ptr + static_cast<std::int64_t>(rows_) * dp_, 0.0f);
+    for (int r = 0; r < rows_; ++r) {
+      ws.row_max.ptr[r] = neg_inf;
+      ws.row_sum.ptr[r] = 0.0f;
+      ws.row_nan.ptr[r] = 0;
+    }
+    bool q_risky = p_.bias != nullptr;
+    if (j_begin < j_end) {
+      for (int r = 0; r < rows_mk_; ++r) {
+        float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
+        this->load_row(p_.q, p_.q_stride, b, r < rows_ ? row_of(r) : 0, r < rows_ ? head_of(hk, r) : 0, r < rows_, q);
+        q_risky = q_risky || !this->row_is_tame(q);
+      }
+    }
+    // Software pipeline over the tiles: the V rows a tile kept are prefetched when its selection is
+    // known and read one tile later, so the loads of V overlap the next tile's scores (a decode step
+    // is bound by memory: without it one thread reached a third of the bandwidth of a plain sweep).
+    int parity = 0;
+    std::int64_t pending = -1;  // the tile whose P V product is still to do
+    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += w_) {
+      select_tile(ws, parity, b, hk, j0, j_end, tile_end, q_risky);
+      if (pending >= 0) accumulate_tile(ws, 1 - parity, b, hk, pending);
+      update_rows(ws, parity, b, hk, j0);
+      pending = j0;
+      parity = 1 - parity;
+    }
+    if (pending >= 0) accumulate_tile(ws, 1 - parity, b, hk, pending);
+
+    for (int r = 0; r < rows_; ++r) {
+      const std::size_t at = static_cast<std::size_t>(t * rows_ + r);
+      parts.max[at] = ws.row_max.ptr[r];
+      parts.sum[at] = ws.row_sum.ptr[r];
+      parts.nan[at] = static_cast<unsigned char>(ws.row_nan.ptr[r] != 0);
+      std::copy(ws.acc.ptr + static_cast<std::int64_t>(r) * dp_, ws.acc.ptr + static_cast<std::int64_t>(r + 1) * dp_,
+                parts.acc + at * static_cast<std::size_t>(dp_));
+    }
+  }
+
+  /// Prefetches the bytes of row (b, j, h) of a [B, L, H, d] input with element strides @p st.
+  void prefetch_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h) const {
+    if (st[3] != 1) return;  // a strided row: left to the hardware
+    const char* row = static_cast<const char*>(base) + core::offset4(st, b, j, h, 0) * static_cast<std::int64_t>(sizeof(T));
+    for (std::int64_t x = 0; x < static_cast<std::int64_t>(sizeof(T)) * d_; x += kCacheLine) prefetch_line(row + x);
+  }
+
+  /// GCC 12 emits nothing for __builtin_prefetch (and so for hwy::Prefetch) inside functions compiled
+  /// under Highway's per-target `#pragma GCC target`, so on x86-64 the instruction is written out.
+  static HWY_INLINE void prefetch_line(const char* p) {
+#if HWY_ARCH_X86
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p);
+#endif
+  }
+
+  /// Tile j0, first half: K converted into panels (the next tile's K prefetched), S = Q K^T, and per
+  /// row bias, masks, NaN detection and the N:M selection into the compacted slots of @p parity,
+  /// with the tile's maximum in row_tile_max (-inf: nothing kept, or the tile is past the row's keys).
+  void select_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0,
+                   std::int64_t j_end, std::int64_t tile_end, bool q_risky) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    // K of the tile in panels (the fused forward's layout). Keys at or past tile_end are zeros: every
+    // row masks them, and a padded cache's garbage there must not flag the tile as risky.
+    bool risky = q_risky;
+    float* rows = ws.rows.ptr;
+    for (int blk = 0; blk < w_ / panel_; ++blk) {
+      for (int t = 0; t < panel_; ++t) {
+        const std::int64_t j = j0 + blk * panel_ + t;
+        if (j + kPrefetchTiles * w_ < j_end) {
+          prefetch_row(p_.k, p_.k_stride, b, j + kPrefetchTiles * w_, hk);
+          // Dense attention reads every V row: prefetched as far ahead as K.
+          if (dense_) prefetch_row(p_.v, p_.v_stride, b, j + kPrefetchTiles * w_, hk);
+        }
+        this->load_row(p_.k, p_.k_stride, b, j, hk, j < tile_end, rows + t * dp_);
+        risky = risky || !this->row_is_tame(rows + t * dp_);
+      }
+      transpose_panel(rows, ws.kt.ptr + static_cast<std::int64_t>(blk) * dp_ * panel_);
+    }
+    scores(ws.q.ptr, ws.kt.ptr, ws.s.ptr);
+
+    for (int r = 0; r < rows_; ++r) {
+      const std::int64_t qi = row_of(r), h = head_of(hk, r);
+      std::int32_t& kept = ws.kept.ptr[parity * rows_mk_ + r];
+      float& tile_max = ws.row_tile_max.ptr[r];
+      kept = 0;
+      tile_max = neg_inf;
+      const std::int64_t lim = this->key_limit(b, qi);
+      if (j0 >= lim) continue;  // the whole tile is masked for this row
+      float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
+      this->bias_and_mask(s, b, h, qi, j0, lim);
+      const bool nan_or_inf = risky && this->row_has_nan_or_inf(s);
+      if (nan_or_inf) ws.row_nan.ptr[r] = 1;
+      // Local key indices (j0 = 0): they address the tile's V rows.
+      kept = this->compact(s, 0, slot_val(ws, parity, r), slot_idx(ws, parity, r), tile_max, /*nan_free=*/!nan_or_inf,
+                           mask::shifted(core::whole_groups(p_, b, qi), j0));
+      if (tile_max == neg_inf) kept = 0;
+    }
+  }
+
+  /// Tile j0, second half (after the previous tile's P V): the online softmax update of every row,
+  /// the exponentials of its kept scores, and the prefetch of the V rows some row kept.
+  void update_rows(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    std::int32_t* used = ws.used.ptr + static_cast<std::int64_t>(parity) * w_;
+    for (int r = 0; r < rows_; ++r) {
+      const int n = ws.kept.ptr[parity * rows_mk_ + r];
+      if (n == 0) continue;
+      const float tile_max = ws.row_tile_max.ptr[r];
+      float& mx = ws.row_max.ptr[r];
+      float& sum = ws.row_sum.ptr[r];
+      if (tile_max > mx) {
+        const float corr = mx == neg_inf ? 0.0f : std::exp2(((mx - tile_max) * e1_) * e2_);
+        scale_row(ws.acc.ptr + static_cast<std::int64_t>(r) * dp_, corr);
+        sum *= corr;
+        mx = tile_max;
+      }
+      float* cv = slot_val(ws, parity, r);
+      std::int32_t* ci = slot_idx(ws, parity, r);
+      sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, n, mx, used) : exp_kept<true>(cv, ci, n, mx, used);
+    }
+    if (!dense_) {
+      for (int t = 0; t < w_; ++t) {
+        if (used[t] != 0) prefetch_row(p_.v, p_.v_stride, b, j0 + t, hk);
+      }
+    }
+  }
+
+  /// acc += p V over the kept keys of tile j0 (slots of @p parity): the V rows some row kept,
+  /// converted once; the rest of the tile's V is never read.
+  void accumulate_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
+    std::int32_t* used = ws.used.ptr + static_cast<std::int64_t>(parity) * w_;
+    float* vt = ws.vt.ptr;
+    for (int t = 0; t < w_; ++t) {
+      if (used[t] == 0) continue;
+      used[t] = 0;
+      this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, vt + static_cast<std::int64_t>(t) * dp_);
+    }
+    for (int r = 0; r < rows_; ++r) {
+      const int n = ws.kept.ptr[parity * rows_mk_ + r];
+      if (n == 0) continue;
+      const float* cv = slot_val(ws, parity, r);
+      const std::int32_t* ci = slot_idx(ws, parity, r);
+      add_row_combination(
+          ws.acc.ptr + static_cast<std::int64_t>(r) * dp_, dp_, n, [cv](int k) { return cv[k]; },
+          [vt, ci](int k) { return vt + ci[k]; });
+    }
+  }
+
+  float* slot_val(decode_workspace& ws, int parity, int r) const {
+    return ws.cv.ptr + (static_cast<std::int64_t>(parity) * rows_mk_ + r) * cstride_;
+  }
+  std::int32_t* slot_idx(decode_workspace& ws, int parity, int r) const {
+    return ws.ci.ptr + (static_cast<std::int64_t>(parity) * rows_mk_ + r) * cstride_;
+  }
+
+  /// The panel [dp][P] of the P key rows at @p rows (row stride dp): 4 rows at a time are
+  /// transposed in registers (4 x 4 within every 128-bit block) and stored a block at a time, a
+  /// quarter of the loads and stores of an element-wise transpose, which was the largest cost of a
+  /// one-row decode step in a profile (AVX-512, d = 128). Scalable (SVE) vectors take the
+  /// element-wise loop.
+  void transpose_panel(const float* rows, float* panel) const {
+#if !HWY_HAVE_SCALABLE
+    const DF d;
+    const hn::Repartition<std::uint64_t, DF> du;
+    for (int t0 = 0; t0 < panel_; t0 += 4) {
+      const float* r = rows + static_cast<std::int64_t>(t0) * dp_;
+      float* dst = panel + t0;
+      for (int c0 = 0; c0 < dp_; c0 += lanes_) {
+        const VF v0 = hn::Load(d, r + c0), v1 = hn::Load(d, r + dp_ + c0);
+        const VF v2 = hn::Load(d, r + 2 * dp_ + c0), v3 = hn::Load(d, r + 3 * dp_ + c0);
+        const auto t01l = hn::BitCast(du, hn::InterleaveLower(d, v0, v1));  // a0 b0 a1 b1 per block
+        const auto t01u = hn::BitCast(du, hn::InterleaveUpper(d, v0, v1));  // a2 b2 a3 b3
+        const auto t23l = hn::BitCast(du, hn::InterleaveLower(d, v2, v3));  // c0 d0 c1 d1
+        const auto t23u = hn::BitCast(du, hn::InterleaveUpper(d, v2, v3));  // c2 d2 c3 d3
+        const std::int64_t stride = 4 * static_cast<std::int64_t>(panel_);  // block b: c0 + 4 b
+        store_blocks(d, hn::BitCast(d, hn::InterleaveLower(du, t01l, t23l)), dst + c0 * panel_, stride);
+        store_blocks(d, hn::BitCast(d, hn::InterleaveUpper(du, t01l, t23l)), dst + (c0 + 1) * panel_, stride);
+        store_blocks(d, hn::BitCast(d, hn::InterleaveLower(du, t01u, t23u)), dst + (c0 + 2) * panel_, stride);
+        store_blocks(d, hn::BitCast(d, hn::InterleaveUpper(du, t01u, t23u)), dst + (c0 + 3) * panel_, stride);
+      }
+    }
+#else
+    for (int c = 0; c < dp_; ++c) {
+      for (int t = 0; t < panel_; ++t) panel[c * panel_ + t] = rows[t * dp_ + c];
+    }
+#endif
+  }
+
+  /// S = Q Kt for the task's rows_mk_ rows against the tile's panels: 8 (where the target's
+  /// micro-kernel is 8 high) or 4 rows per call, and 1 or 2 rows for a group that small.
+  void scores(const float* q, const float* kt, float* s) const {
+    for (int i = 0; i < rows_mk_;) {
+      const int left = rows_mk_ - i;
+      const int r = left >= 8 && kMicroRows == 8 ? 8 : (left >= 4 ? 4 : left);
+      for (int jb = 0; jb < w_; jb += panel_) {
+        const float* x = q + static_cast<std::int64_t>(i) * dp_;
+        const float* panel = kt + static_cast<std::int64_t>(jb / panel_) * dp_ * panel_;
+        float* out = s + static_cast<std::int64_t>(i) * w_ + jb;
+        switch (r) {
+          case 8: microkernel<8>(x, dp_, panel, dp_, out, w_); break;
+          case 4: microkernel<4>(x, dp_, panel, dp_, out, w_); break;
+          case 2: few_rows_microkernel<2>(x, dp_, panel, dp_, out, w_); break;
+          default: few_rows_microkernel<1>(x, dp_, panel, dp_, out, w_); break;
+        }
+      }
+      i += r;
+    }
+  }
+
+  void scale_row(float* acc, float corr) const {
+    const DF d;
+    const VF vc = hn::Set(d, corr);
+    for (int c = 0; c < dp_; c += lanes_) hn::Store(hn::Mul(vc, hn::Load(d, acc + c)), d, acc + c);
+  }
+
+  /// exp(scale (x - max)) of the @p kept compacted scores @p cv in place (the fused forward's
+  /// exponent, (x - max) e1 [e2]); returns their sum. The local key indices @p ci become offsets
+  /// into the tile's V rows, -inf slots (masked keys, padding) the zero row's; every other slot
+  /// marks its key in @p used.
+  template <bool Split>
+  HWY_INLINE float exp_kept(float* cv, std::int32_t* ci, int kept, float mx, std::int32_t* used) const {
+    const DF d;
+    const DI di;
+    const VF vmx = hn::Set(d, mx), ve1 = hn::Set(d, e1_), ve2 = hn::Set(d, e2_);
+    const VI vdp = hn::Set(di, dp_), vzero_row = hn::Set(di, w_ * dp_);
+    const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+    VF vsum = hn::Zero(d);
+    for (int t = 0; t < kept; t += lanes_) {
+      const VF x = hn::Load(d, cv + t);
+      for (int u = 0; u < lanes_; ++u) {
+        if (cv[t + u] != -std::numeric_limits<float>::infinity()) used[ci[t + u]] = 1;
+      }
+      VF y = hn::Mul(hn::Sub(x, vmx), ve1);
+      if constexpr (Split) y = hn::Mul(y, ve2);
+      const VF e = exp2_poly(y);
+      hn::Store(e, d, cv + t);
+      vsum = hn::Add(vsum, e);
+      const auto masked = hn::RebindMask(di, hn::Eq(x, neg_inf));
+      hn::StoreU(hn::IfThenElse(masked, vzero_row, hn::Mul(hn::LoadU(di, ci + t), vdp)), di, ci + t);
+    }
+    return hn::GetLane(hn::SumOfLanes(d, vsum));
+  }
+
+  /// Folds the chunks of (batch, kv head) @p pair in increasing order and writes O and LSE.
+  void fold(std::int64_t pair, const partials& parts) const {
+    const std::int64_t hk = pair % p_.heads_kv, b = pair / p_.heads_kv;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> acc(static_cast<std::size_t>(dp_));
+    for (int r = 0; r < rows_; ++r) {
+      float mx = neg_inf, sum = 0.0f;
+      bool is_nan = false;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (std::int64_t c = 0; c < chunks_; ++c) {
+        const std::size_t at = static_cast<std::size_t>((pair * chunks_ + c) * rows_ + r);
+        const float* pa = parts.acc + at * static_cast<std::size_t>(dp_);
+        const float pm = parts.max[at], ps = parts.sum[at];
+        is_nan = is_nan || parts.nan[at] != 0;
+        if (pm == neg_inf) continue;  // nothing kept in this chunk
+        if (mx == neg_inf) {
+          mx = pm;
+          sum = ps;
+          std::copy(pa, pa + dp_, acc.begin());
+        } else if (pm > mx) {
+          const float corr = std::exp2(((mx - pm) * e1_) * e2_);
+          for (int k = 0; k < dp_; ++k) acc[static_cast<std::size_t>(k)] = acc[static_cast<std::size_t>(k)] * corr + pa[k];
+          sum = sum * corr + ps;
+          mx = pm;
+        } else {
+          const float corr = std::exp2(((pm - mx) * e1_) * e2_);
+          for (int k = 0; k < dp_; ++k) acc[static_cast<std::size_t>(k)] += pa[k] * corr;
+          sum += ps * corr;
+        }
+      }
+      const std::int64_t h = head_of(hk, r), i = row_of(r);
+      const bool empty = mx == neg_inf;
+      const float inv = empty ? 0.0f : 1.0f / sum;
+      for (int c = 0; c < d_; ++c) {
+        core::store_from_double(p_.o, p_.output_type, core::offset4(p_.o_stride, b, i, h, c),
+                                static_cast<double>(is_nan ? nan : acc[static_cast<std::size_t>(c)] * inv));
+      }
+      if (p_.lse != nullptr) {
+        // As the fused forward: scale * max overflows to +-inf exactly where the reference's does.
+        const float lse = is_nan ? nan : (empty ? neg_inf : scale_ * mx + std::log2(sum) * kLn2);
+        core::store_from_double(p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2],
+                                static_cast<double>(lse));
+      }
+    }
+  }
+
+  const int rows_, rows_mk_;
+  const std::int64_t chunk_, chunks_;
+  const int cstride_;  ///< per-row stride of the compacted scores and offsets (W + 2 vectors)
+  const bool dense_;   ///< N = M: every V row is read, so V is prefetched with K
+};
+
+status decode_entry(const attention_params& p) {
+  switch (p.input_type) {
+    case dtype::f32: decode_pass<float>(p).run(); break;
+    case dtype::f16: decode_pass<half>(p).run(); break;
+    case dtype::bf16: decode_pass<bfloat16>(p).run(); break;
+    default:
+      return {status_code::unsupported, std::string("dfss cpu simd decode forward: input type ") +
+                                            dtype_name(p.input_type) + " (takes f32, f16, bf16)"};
+  }
+  return status::success();
+}
+
+#else  // the static baseline target: never dispatched to (see targets.hpp)
+
+status decode_entry(const attention_params&) {
+  return {status_code::unsupported, "dfss cpu simd decode forward: no kernel for the baseline target"};
+}
+
+#endif  // DFSS_SIMD_KERNEL_TARGET
+
+}  // namespace dfss::cpu::simd::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "cpu/simd/dispatch.hpp"
+
+namespace dfss::cpu {
+namespace simd {
+HWY_EXPORT(decode_entry);
+}  // namespace simd
+
+status decode_forward_simd(const attention_params& p, simd_target t) noexcept {
+  return simd::run_on_target(simd::HWY_DISPATCH_TABLE(decode_entry), t, p, "dfss cpu simd decode forward");
+}
+
+bool decode_forward_applies(const attention_params& p) noexcept { return p.seqlen_q <= kDecodeMaxQueryRows; }
+
+}  // namespace dfss::cpu
+#endif  // HWY_ONCE

@@ -1,0 +1,225 @@
+// The decode forward of the SIMD family (src/cpu/simd/attention_decode.cpp): few query rows against a
+// long KV cache, split over key chunks and merged exactly. Against the fp64 reference on fresh
+// random inputs, for every runnable ISA (the selector picks the decode kernel for every SIMD target
+// when Lq <= kDecodeMaxQueryRows; generic runs the scalar twin), f32, f16 and bf16 caches, awkward
+// cache lengths (several chunks, partial tiles and groups), per-sequence key lengths (0, and ends
+// inside a group), grouped and multi-query heads, causal masks with Lq > 1, a bias, and bitwise
+// equality across thread counts. Non-finite and extreme inputs: test_extreme_values.cpp
+// (ExtremeDecode).
+//
+// Tolerance policy (test_cpu.cpp's): scores of small-integer inputs are exact in fp32, so the
+// selection must be the reference's exactly, and each output is a convex combination of at most Lk
+// rows of V with fp32 weights: (16 + Lk) eps_f32 max|v| (the merge of the chunks adds one rescale
+// per chunk, far below the Lk term), plus half an ulp of a 16-bit output type.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+
+#include "common/run.hpp"
+#include "common/testing.hpp"
+
+namespace dfss::testing {
+namespace {
+
+constexpr double kEps32 = 1.0 / (1 << 23);
+
+double output_tol(const problem& pr) {
+  double vmax = 0;
+  for (double x : pr.v) vmax = std::max(vmax, std::abs(x));
+  return (16.0 + static_cast<double>(pr.Lk)) * kEps32 * vmax;
+}
+
+struct shape {
+  std::int64_t B, Lq, Lk, H, Hkv, d;
+  bool causal;
+  bool bias;
+  std::vector<std::int64_t> lens;  // empty: none
+};
+
+/// Shapes of a decode step: one row and speculative drafts (Lq up to 5), caches of 1 to 4099 keys
+/// (1000 and 4099 split into several chunks; none a multiple of a tile or of M), GQA (8 / 2), MQA
+/// (4 / 1) and MHA, key lengths with a 0 and ends inside a group of 4, d = 128 and an odd d.
+std::vector<shape> decode_shapes() {
+  return {
+      {1, 1, 1, 1, 1, 8, false, false, {}},
+      {2, 1, 3, 4, 1, 13, false, false, {3, 1}},
+      {2, 2, 63, 8, 2, 16, true, false, {63, 0}},
+      {1, 3, 1000, 8, 2, 128, true, true, {}},
+      {2, 4, 1000, 4, 1, 24, true, false, {1000, 517}},
+      {2, 5, 4099, 8, 2, 64, false, false, {4099, 2053}},
+      {1, 1, 4099, 2, 2, 128, false, false, {}},
+  };
+}
+
+problem make_problem(const shape& s, pattern pat, std::mt19937_64& rng, bool integers) {
+  problem p;
+  p.B = s.B, p.Lq = s.Lq, p.Lk = s.Lk, p.H = s.H, p.Hkv = s.Hkv, p.d = s.d;
+  p.pat = pat;
+  p.causal = s.causal;
+  p.has_bias = s.bias;
+  p.bias_b = true;
+  p.bias_h = true;
+  p.key_lengths = s.lens;
+  fill(p, rng, integers);
+  return p;
+}
+
+const pattern kPatterns[] = {{1, 2}, {2, 4}, {1, 4}, {3, 4}, {4, 4}};
+
+std::string label(const problem& pr, cpu_isa isa, dtype t) {
+  return pr.describe() + " isa=" + cpu_isa_name(isa) + " " + dtype_name(t);
+}
+
+/// The kernel the selector runs for @p pr on @p isa.
+std::string selected(const problem& pr, cpu_isa isa) {
+  std::vector<float> q(static_cast<std::size_t>(pr.q_numel())), kv(static_cast<std::size_t>(pr.kv_numel()));
+  std::vector<float> o(q.size());
+  forward_args a;
+  a.q = make_view(q.data(), {pr.B, pr.Lq, pr.H, pr.d});
+  a.k = a.v = make_view(kv.data(), {pr.B, pr.Lk, pr.Hkv, pr.d});
+  a.out = make_view(o.data(), {pr.B, pr.Lq, pr.H, pr.d});
+  attention_config c;
+  c.pattern = pr.pat;
+  c.backend = backend::cpu;
+  c.cpu_isa = isa;
+  return select_kernel(a, c).name;
+}
+
+TEST(CpuDecode, SelectorPicksTheDecodeKernelForFewQueryRows) {
+  for (cpu_isa isa : runnable_cpu_isas()) {
+    if (isa == cpu_isa::generic) continue;  // the scalar twin has no decode kernel
+    const std::string name = cpu_isa_name(isa);
+    for (std::int64_t lq : {1, 2, 8, 9, 64}) {
+      problem pr;
+      pr.Lq = lq, pr.Lk = 4096, pr.H = 8, pr.Hkv = 2, pr.d = 64;
+      const std::string want = (lq <= 8 ? "cpu.decode_forward." : "cpu.fused_forward.") + name;
+      EXPECT_EQ(selected(pr, isa), want) << "Lq=" << lq;
+    }
+  }
+  problem pr;
+  pr.Lq = 1, pr.Lk = 100, pr.H = 2, pr.Hkv = 1, pr.d = 32;
+  const std::string automatic = selected(pr, cpu_isa::automatic);
+  if (cpu_simd_isas().empty() || !cpu_simd_isas().front().supported) GTEST_SKIP() << "no runnable SIMD target";
+  EXPECT_EQ(automatic.rfind("cpu.decode_forward.", 0), 0u) << automatic;
+}
+
+TEST(CpuDecode, MatchesReferenceOnExactScoresForEveryThreadCount) {
+  std::mt19937_64 rng(test_seed() + 101);
+  for (const shape& s : decode_shapes()) {
+    for (pattern pat : kPatterns) {
+      const problem pr = make_problem(s, pat, rng, /*integers=*/true);
+      const auto want = run_forward(pr);  // small integers: exact in every storage type
+      for (cpu_isa isa : runnable_cpu_isas()) {
+        for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
+          run_options opt;
+          opt.type = t;
+          opt.out_type = dtype::f32;
+          opt.backend = backend::cpu;
+          opt.isa = isa;
+          opt.bhld = t == dtype::f16;  // a [B, H, L, d] cache: strided views
+          opt.threads = 1;
+          const auto one = run_forward(pr, opt);
+          double err = 0;
+          for (std::size_t x = 0; x < one.o.size(); ++x) {
+            ASSERT_TRUE(std::isfinite(one.o[x])) << label(pr, isa, t) << " at " << x;
+            err = std::max(err, std::abs(one.o[x] - want.o[x]));
+          }
+          EXPECT_LE(err, output_tol(pr)) << label(pr, isa, t);
+          for (std::size_t x = 0; x < one.lse.size(); ++x) {
+            if (std::isinf(want.lse[x])) {
+              EXPECT_EQ(one.lse[x], want.lse[x]) << label(pr, isa, t) << " LSE " << x;
+            } else {
+              EXPECT_NEAR(one.lse[x], want.lse[x],
+                          (16.0 + static_cast<double>(pr.Lk)) * kEps32 * (1 + std::abs(want.lse[x])))
+                  << label(pr, isa, t) << " LSE " << x;
+            }
+          }
+          // The chunking depends on the shape only: the same bits for any thread count (poisoned
+          // outputs, so every element must be written in each call).
+          for (int threads : {2, 3, 7}) {
+            opt.threads = threads;
+            opt.poison = 4321.0;
+            const auto many = run_forward(pr, opt);
+            ASSERT_EQ(many.o.size(), one.o.size());
+            EXPECT_EQ(0, std::memcmp(many.o.data(), one.o.data(), one.o.size() * sizeof(double)))
+                << label(pr, isa, t) << " " << threads << " threads";
+            EXPECT_EQ(0, std::memcmp(many.lse.data(), one.lse.data(), one.lse.size() * sizeof(double)))
+                << label(pr, isa, t) << " " << threads << " threads";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuDecode, MatchesReferenceOnRandomInputs) {
+  std::mt19937_64 rng(test_seed() + 102);
+  for (const shape& base : decode_shapes()) {
+    shape s = base;
+    s.bias = false;  // keep the near-tie analysis to Q K^T alone
+    for (pattern pat : kPatterns) {
+      const problem pr = make_problem(s, pat, rng, /*integers=*/false);
+      problem r32 = pr;
+      r32.q = round_through<float>(pr.q);
+      r32.k = round_through<float>(pr.k);
+      r32.v = round_through<float>(pr.v);
+      const auto want = run_forward(r32);
+      // fp32 dot products of d terms in [-1, 1]: error below d eps_f32 (times 4 for margin).
+      const auto ties = near_tie_rows(r32, 4.0 * static_cast<double>(pr.d) * kEps32);
+      const double tol = output_tol(pr);
+      for (cpu_isa isa : runnable_cpu_isas()) {
+        run_options opt;
+        opt.type = dtype::f32;
+        opt.backend = backend::cpu;
+        opt.isa = isa;
+        const auto got = run_forward(r32, opt);
+        std::size_t skipped = 0;
+        for (std::size_t r = 0; r < ties.size(); ++r) {
+          if (ties[r]) {
+            ++skipped;
+            continue;
+          }
+          for (std::int64_t c = 0; c < pr.d; ++c) {
+            const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
+            ASSERT_NEAR(got.o[x], want.o[x], tol) << label(pr, isa, dtype::f32) << " row " << r;
+          }
+        }
+        // Long rows meet many groups, so a near tie somewhere in a row is not rare; most rows must
+        // still be checked for the test to mean something.
+        EXPECT_LE(skipped, ties.size() / 2 + 1) << "too many near-tie rows to be a meaningful test";
+      }
+    }
+  }
+}
+
+TEST(CpuDecode, ManyChunksAndEmptyRows) {
+  // A single (batch, kv head) pair: the cache is split into the most chunks (Lk / 512), so the
+  // merge folds over a hundred partial states; batch 1's sequence is empty (O = 0, LSE = -inf) and
+  // batch 2's ends inside a group; causal rows of a draft of 3 tokens.
+  std::mt19937_64 rng(test_seed() + 103);
+  shape s{3, 3, 70001, 4, 1, 8, true, false, {70001, 0, 30001}};
+  const problem pr = make_problem(s, pattern{2, 4}, rng, /*integers=*/true);
+  const auto want = run_forward(pr);
+  for (cpu_isa isa : runnable_cpu_isas()) {
+    run_options opt;
+    opt.type = dtype::bf16;
+    opt.out_type = dtype::f32;
+    opt.backend = backend::cpu;
+    opt.isa = isa;
+    const auto got = run_forward(pr, opt);
+    double err = 0;
+    for (std::size_t x = 0; x < got.o.size(); ++x) err = std::max(err, std::abs(got.o[x] - want.o[x]));
+    EXPECT_LE(err, output_tol(pr)) << label(pr, isa, dtype::bf16);
+    for (std::int64_t h = 0; h < pr.H; ++h)
+      for (std::int64_t i = 0; i < pr.Lq; ++i) {
+        EXPECT_EQ(got.lse[static_cast<std::size_t>((1 * pr.H + h) * pr.Lq + i)], -kInf);
+        for (std::int64_t c = 0; c < pr.d; ++c)
+          EXPECT_EQ(got.o[static_cast<std::size_t>(((1 * pr.Lq + i) * pr.H + h) * pr.d + c)], 0.0);
+      }
+    EXPECT_LE(max_rel_err(got.lse, want.lse), (16.0 + static_cast<double>(pr.Lk)) * kEps32) << label(pr, isa, dtype::bf16);
+  }
+}
+
+}  // namespace
+}  // namespace dfss::testing

@@ -1,0 +1,433 @@
+// `dfss bench --decode`: one decode step (Lq query rows, 1 by default) against a KV cache of Lk keys,
+// B = 1, d = 128, for grouped heads (--decode-heads H:Hkv, default MHA 32:32 and GQA 32:8) and cache
+// types (--decode-dtypes, default f32 and bf16). Rows: dfss dense, DFSS 1:2 and 2:4 (the selector's
+// decode kernel), PyTorch 2.x SDPA on a cache of the same shape, type and layout
+// (tools/bench/torch_decode.py, a child process with the same threads), and the machine's memory
+// bandwidth: a read-only sweep over a buffer of the size of K + V with the same threads, timed
+// round-robin with the dfss rows of the configuration so that it sees the same machine.
+//
+// The cache is laid out [B, Hkv, Lk, d] (Hugging Face's KV cache, SDPA's layout); dfss reads it
+// through strided [B, Lk, Hkv, d] views, no copy. The causal flag is set (bottom-right: a no-op for
+// Lq = 1, the draft rows of speculative decoding for Lq > 1); SDPA gets is_causal=False for Lq = 1 and
+// the bottom-right mask explicitly for Lq > 1 (its is_causal is top-left), with enable_gqa=True.
+// GB/s = dense K + V bytes / median time, for every row (so for the sparse rows it is a
+// dense-equivalent rate: they read all of K but only the kept rows of V).
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "cli/bench/bench.hpp"
+#include "cli/commands.hpp"
+#include "npy/files.hpp"
+
+namespace dfss::cli::bench {
+namespace {
+
+/// Longest cache checked against the fp64 reference: its copy of K and V in fp64 is 4x the fp32 cache
+/// (2 GiB at Lk = 16384 with 32 kv heads), and longer caches add no new code path.
+constexpr long long kDecodeRefKeys = 16384;
+
+struct decode_config {
+  long long lk = 0, heads = 0, heads_kv = 0;
+  std::string dtype;  // f32, bf16, f16
+};
+
+struct decode_row {
+  decode_config c;
+  std::string what;    // "dfss dense", "dfss 1:2", "torch 2.x sdpa", "memory sweep"
+  std::string kernel;  // selector name, interpreter, or "-"
+  bool ok = false;
+  std::string reason;
+  stats ms;
+  int iters = 0;
+  double gbs = kNaN, of_bandwidth = kNaN, vs_sdpa = kNaN, vs_dense = kNaN, max_err = kNaN;
+};
+
+/// "H:Hkv" -> (H, Hkv).
+std::pair<long long, long long> parse_heads(const std::string& s) {
+  const auto colon = s.find(':');
+  long long h = 0, hkv = 0;
+  try {
+    if (colon == std::string::npos) throw std::invalid_argument(s);
+    h = std::stoll(s.substr(0, colon));
+    hkv = std::stoll(s.substr(colon + 1));
+  } catch (const std::exception&) {
+    h = hkv = 0;
+  }
+  if (h < 1 || hkv < 1 || h % hkv != 0) {
+    throw error(status_code::invalid_argument,
+                "dfss bench: argument '--decode-heads': expected H:Hkv with Hkv dividing H, got '" + s + "'");
+  }
+  return {h, hkv};
+}
+
+/// The read-only sweep: every thread sums its contiguous share of @p words 64-bit words (four
+/// independent accumulators, so the loop is bound by the loads, not by an add chain).
+std::uint64_t sweep(const std::uint64_t* words, std::size_t n, int threads) {
+  std::uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
+    const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
+    const std::size_t begin = n * t / nt, end = n * (t + 1) / nt;
+    std::uint64_t a = 0, b = 0, c = 0, d = 0;
+    std::size_t i = begin;
+    for (; i + 4 <= end; i += 4) {
+      a += words[i];
+      b += words[i + 1];
+      c += words[i + 2];
+      d += words[i + 3];
+    }
+    for (; i < end; ++i) a += words[i];
+    total += a + b + c + d;
+  }
+  return total;
+}
+
+/// The dfss rows and the memory sweep of one configuration, timed round-robin.
+void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) {
+  const std::int64_t B = g_opt.batch, Lq = g_opt.query_rows, d = g_opt.head_dim;
+  const std::int64_t H = c.heads, Hkv = c.heads_kv, Lk = c.lk;
+  const dtype type = parse_dtype(c.dtype);
+  const auto kv_n = static_cast<std::size_t>(B * Hkv * Lk * d);
+  std::mt19937_64 rng(g_opt.seed + static_cast<unsigned long long>(Lk * 131 + Hkv));
+  input_tensor q, k, v;
+  log_stderr("  Lk=%lld H=%lld Hkv=%lld %s: drawing the cache\n", c.lk, c.heads, c.heads_kv, c.dtype.c_str());
+  q.fill(static_cast<std::size_t>(B * Lq * H * d), type, rng);
+  k.fill(kv_n, type, rng);
+  v.fill(kv_n, type, rng);
+  // [B, Hkv, Lk, d] memory seen as [B, Lk, Hkv, d].
+  const auto strided = [&](auto* data) {
+    return make_strided_view(data, {B, Lk, Hkv, d}, {Hkv * Lk * d, d, Lk * d, 1});
+  };
+  const auto cache_view = [&](input_tensor& x) {
+    switch (x.type) {
+      case dtype::f16: return strided(x.f16.data());
+      case dtype::bf16: return strided(x.b16.data());
+      default: return strided(x.f32.data());
+    }
+  };
+  forward_args a;
+  a.q = q.view(B, Lq, H, d);
+  a.k = cache_view(k);
+  a.v = cache_view(v);
+  const double kv_bytes = static_cast<double>(k.bytes() + v.bytes());
+
+  // The bandwidth buffer: the size of K + V, written once (pages faulted in) before timing.
+  std::vector<std::uint64_t> buffer(static_cast<std::size_t>(kv_bytes) / 8);
+  for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = i * 0x9E3779B97F4A7C15ull;
+  std::uint64_t sink = 0;
+
+  struct run {
+    decode_row r;
+    attention_config cfg;
+    std::vector<float> out;
+    std::vector<double> ms;
+  };
+  std::vector<std::unique_ptr<run>> runs;
+  for (const auto& pat : g_opt.patterns) {
+    auto s = std::make_unique<run>();
+    s->cfg.pattern = pattern::parse(pat, "--patterns");
+    s->cfg.backend = backend::cpu;
+    s->cfg.causal = true;
+    s->cfg.num_threads = g_opt.threads;
+    s->cfg.cpu_isa = parse_cpu_isa(g_opt.isas.at(0), "--isa");
+    s->r.c = c;
+    s->r.what = "dfss " + s->cfg.pattern.str();
+    s->out.assign(static_cast<std::size_t>(B * Lq * H * d), 0.0f);
+    a.out = make_view(s->out.data(), {B, Lq, H, d});
+    const kernel_selection sel = select_kernel(a, s->cfg);
+    s->r.kernel = sel.supported() ? sel.name : "-";
+    if (!sel.supported()) {
+      s->r.reason = sel.reason;
+    } else {
+      const status st = try_attention_forward(a, s->cfg);  // warmup
+      s->r.ok = st.ok();
+      s->r.reason = st.message;
+    }
+    runs.push_back(std::move(s));
+  }
+  std::vector<double> sweep_ms;
+  sink += sweep(buffer.data(), buffer.size(), g_opt.threads);  // warmup
+  const int rounds = g_opt.iters;
+  for (int it = 0; it < rounds; ++it) {
+    g_progress.show(g_rows_done + 1, static_cast<int>(runs.size()) + 1,
+                    "Lk=" + std::to_string(c.lk) + " " + std::to_string(c.heads) + ":" + std::to_string(c.heads_kv) +
+                        " " + c.dtype + ": round " + std::to_string(it + 1) + " of " + std::to_string(rounds));
+    auto t0 = std::chrono::steady_clock::now();
+    sink += sweep(buffer.data(), buffer.size(), g_opt.threads);
+    sweep_ms.push_back(elapsed_ms(t0));
+    for (auto& s : runs) {
+      if (!s->r.ok) continue;
+      a.out = make_view(s->out.data(), {B, Lq, H, d});
+      t0 = std::chrono::steady_clock::now();
+      const status st = try_attention_forward(a, s->cfg);
+      s->ms.push_back(elapsed_ms(t0));
+      if (!st.ok()) {
+        s->r.ok = false;
+        s->r.reason = st.message;
+      }
+    }
+  }
+  g_rows_done += static_cast<int>(runs.size()) + 1;
+
+  decode_row bw;
+  bw.c = c;
+  bw.what = "memory sweep";
+  bw.kernel = "read " + std::to_string(static_cast<long long>(kv_bytes / 1048576.0)) + " MiB (checksum " +
+              std::to_string(sink % 1000) + ")";
+  bw.ok = true;
+  bw.ms = summarize(sweep_ms);
+  bw.iters = static_cast<int>(sweep_ms.size());
+  bw.gbs = kv_bytes / (bw.ms.median * 1e6);
+  rows.push_back(bw);
+
+  // fp64 reference of every output (Lq rows are few), for caches up to kDecodeRefKeys keys.
+  const bool check = !g_opt.no_ref && Lk <= kDecodeRefKeys;
+  std::vector<double> qd, kd, vd;
+  if (check) {
+    qd.resize(static_cast<std::size_t>(B * Lq * H * d));
+    for (std::size_t i = 0; i < qd.size(); ++i) qd[i] = q.at(i);
+    kd.resize(kv_n);
+    vd.resize(kv_n);
+    for (std::size_t i = 0; i < kv_n; ++i) {
+      kd[i] = k.at(i);
+      vd[i] = v.at(i);
+    }
+  }
+  for (auto& s : runs) {
+    decode_row& r = s->r;
+    r.iters = static_cast<int>(s->ms.size());
+    if (r.ok) {
+      r.ms = summarize(s->ms);
+      r.gbs = kv_bytes / (r.ms.median * 1e6);
+      if (check) {
+        std::vector<double> ref(static_cast<std::size_t>(B * Lq * H * d));
+        forward_args ra;
+        ra.q = make_view(qd.data(), {B, Lq, H, d});
+        ra.k = strided(kd.data());
+        ra.v = strided(vd.data());
+        ra.out = make_view(ref.data(), {B, Lq, H, d});
+        attention_config rc = s->cfg;
+        rc.backend = backend::reference;
+        attention_forward(ra, rc);
+        double err = 0;
+        for (std::size_t i = 0; i < ref.size(); ++i) {
+          const double e = std::fabs(static_cast<double>(s->out[i]) - ref[i]);
+          err = (std::isnan(e) || e > err) ? e : err;
+        }
+        r.max_err = err;
+      }
+    }
+    rows.push_back(r);
+  }
+}
+
+/// The SDPA rows: one child process of tools/bench/torch_decode.py over every configuration.
+void bench_decode_torch(const std::vector<decode_config>& configs, std::vector<decode_row>& rows,
+                        std::vector<std::string>& notes) {
+  std::vector<std::string> peer_notes;
+  const std::vector<torch_peer> peers = probe_torch_peers(peer_notes);
+  const torch_peer* peer = nullptr;
+  for (const auto& p : peers)
+    if (!p.version.empty() && p.version[0] != '1' && p.sdpa == "public") peer = &p;
+  for (const auto& n : peer_notes) notes.push_back(n);
+  if (peer == nullptr) {
+    notes.push_back("torch: no torch 2.x interpreter among --python: no SDPA rows");
+    return;
+  }
+  std::string script = find_torch_script();
+  script = script.substr(0, script.rfind('/')) + "/torch_decode.py";
+  std::vector<std::string> lks, heads, dtypes;
+  for (const auto& c : configs) {
+    lks.push_back(std::to_string(c.lk));
+    heads.push_back(std::to_string(c.heads) + ":" + std::to_string(c.heads_kv));
+    dtypes.push_back(dtype_label(c.dtype));
+  }
+  std::ostringstream cmd;
+  cmd << torch_env(false) << shell_quote(peer->python) << " " << shell_quote(script) << " --lengths "
+      << join(g_opt.lengths) << " --heads " << join(g_opt.decode_heads) << " --dtypes ";
+  std::vector<std::string> labels;
+  for (const auto& t : g_opt.decode_dtypes) labels.push_back(dtype_label(t));
+  cmd << join(labels) << " --batch " << g_opt.batch << " --query-rows " << g_opt.query_rows << " --head-dim "
+      << g_opt.head_dim << " --threads " << g_opt.threads << " --iters " << g_opt.iters << " --seed " << g_opt.seed;
+  log_stderr("  torch %s (%s): SDPA decode\n", peer->version.c_str(), peer->python.c_str());
+  g_progress.show(++g_rows_done, 1, "torch " + peer->version + " SDPA, every configuration");
+  int rc = 0;
+  const std::string out = capture(cmd.str(), &rc);
+  json j;
+  if (!read_torch_json(out, j) || !j.contains("results") || !j["results"].is_array()) {
+    notes.push_back("torch " + peer->version + ": the decode script failed (exit status " + std::to_string(rc) +
+                    "); run it by hand: " + cmd.str());
+    return;
+  }
+  notes.push_back("torch " + peer->version + " (" + peer->python + "): " + cmd.str());
+  for (const json& e : j["results"]) {
+    decode_row r;
+    r.c.lk = static_cast<long long>(get_num(e, "Lk"));
+    r.c.heads = static_cast<long long>(get_num(e, "H"));
+    r.c.heads_kv = static_cast<long long>(get_num(e, "Hkv"));
+    const std::string dt = get_str(e, "dtype");
+    r.c.dtype = dt == "fp32" ? "f32" : dt == "fp16" ? "f16" : dt;
+    r.what = "torch " + peer->version + " sdpa";
+    r.kernel = get_str(e, "method");
+    if (e.contains("error")) {
+      r.reason = get_str(e, "error");
+    } else {
+      r.ok = true;
+      r.ms.median = get_num(e, "ms_median");
+      r.ms.min = get_num(e, "ms_min");
+      r.ms.max = get_num(e, "ms_max");
+      r.iters = static_cast<int>(get_num(e, "iters"));
+      r.max_err = get_num(e, "max_err");
+      r.gbs = get_num(e, "kv_bytes") / (r.ms.median * 1e6);
+    }
+    rows.push_back(r);
+  }
+}
+
+bool same_config(const decode_config& a, const decode_config& b) {
+  return a.lk == b.lk && a.heads == b.heads && a.heads_kv == b.heads_kv && a.dtype == b.dtype;
+}
+
+std::string fmt(double x, int digits) {
+  if (std::isnan(x)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, x);
+  return buf;
+}
+
+std::string fmt_err(double x) {
+  if (std::isnan(x)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1e", x);
+  return buf;
+}
+
+}  // namespace
+
+int run_decode() {
+  if (g_opt.query_rows < 1) {
+    std::fprintf(stderr, "dfss bench: argument '--query-rows': expected >= 1, got %lld\n", g_opt.query_rows);
+    return kExitBadInput;
+  }
+  std::vector<decode_config> configs;
+  for (long long lk : g_opt.lengths)
+    for (const auto& hs : g_opt.decode_heads) {
+      const auto [h, hkv] = parse_heads(hs);
+      for (const auto& t : g_opt.decode_dtypes) {
+        parse_dtype(t);
+        configs.push_back({lk, h, hkv, t});
+      }
+    }
+  const build_info info = get_build_info();
+  const std::string date = now_utc(), commit = git_commit();
+  std::printf("dfss bench --decode: dfss %s, %s; %s%s\n", info.version.c_str(), date.c_str(),
+              commit.empty() ? "commit unknown" : "commit ", commit.c_str());
+  std::printf("machine: %s, %d hardware threads; compiler: %s\n", cpu_model().c_str(), hardware_threads(),
+              info.compiler.c_str());
+  std::printf(
+      "run: one decode step, B=%lld, Lq=%lld, d=%lld, causal (bottom-right), cache [B, Hkv, Lk, d] random normal, "
+      "%d threads, median of %d calls (round-robin with the memory sweep)\n",
+      g_opt.batch, g_opt.query_rows, g_opt.head_dim, g_opt.threads, g_opt.iters);
+  std::printf("load average at start: %s\n", load_average().c_str());
+  std::printf("repro: dfss bench --decode --lengths %s --decode-heads %s --decode-dtypes %s --patterns %s "
+              "--query-rows %lld --batch %lld --head-dim %lld --threads %d --iters %d --seed %llu --isa %s%s\n\n",
+              join(g_opt.lengths).c_str(), join(g_opt.decode_heads).c_str(), join(g_opt.decode_dtypes).c_str(),
+              join(g_opt.patterns).c_str(), g_opt.query_rows, g_opt.batch, g_opt.head_dim, g_opt.threads,
+              g_opt.iters, g_opt.seed, g_opt.isas.at(0).c_str(), g_opt.no_torch ? " --no-torch" : "");
+  std::fflush(stdout);
+  g_progress.enable(g_opt.progress || isatty(STDERR_FILENO) != 0, isatty(STDERR_FILENO) != 0);
+  g_progress.add_rows(static_cast<int>(configs.size() * (g_opt.patterns.size() + 1)) + (g_opt.no_torch ? 0 : 1));
+
+  std::vector<decode_row> rows;
+  std::vector<std::string> notes;
+  for (const auto& c : configs) bench_decode_config(c, rows);
+  if (!g_opt.no_torch) bench_decode_torch(configs, rows, notes);
+  g_progress.done();
+
+  // Ratios within each configuration: against its memory sweep, SDPA and dfss dense.
+  for (decode_row& r : rows) {
+    if (!r.ok) continue;
+    if (r.what == "memory sweep") continue;  // the yardstick itself: no ratios
+    for (const decode_row& o : rows) {
+      if (!o.ok || !same_config(o.c, r.c)) continue;
+      if (o.what == "memory sweep") r.of_bandwidth = r.gbs / o.gbs;
+      if (o.what.rfind("torch", 0) == 0) r.vs_sdpa = o.ms.median / r.ms.median;
+      if (o.what == "dfss dense") r.vs_dense = o.ms.median / r.ms.median;
+    }
+  }
+  std::stable_sort(rows.begin(), rows.end(), [&](const decode_row& x, const decode_row& y) {
+    const auto index = [&](const decode_config& c) {
+      for (std::size_t i = 0; i < configs.size(); ++i)
+        if (same_config(configs[i], c)) return i;
+      return configs.size();
+    };
+    return index(x.c) < index(y.c);
+  });
+  std::printf("%-6s %-7s %-5s %-20s %-30s %5s %10s %9s %9s %8s %8s %8s %9s %9s\n", "Lk", "H:Hkv", "cache", "row",
+              "kernel", "iters", "ms median", "ms min", "ms max", "GB/s", "% of bw", "vs SDPA", "vs dense",
+              "max err");
+  const decode_config* last = nullptr;
+  for (const decode_row& r : rows) {
+    if (last != nullptr && !same_config(*last, r.c)) std::printf("\n");
+    last = &r.c;
+    const std::string hh = std::to_string(r.c.heads) + ":" + std::to_string(r.c.heads_kv);
+    if (!r.ok) {
+      std::printf("%-6lld %-7s %-5s %-20s %-30s not run: %s\n", r.c.lk, hh.c_str(), r.c.dtype.c_str(), r.what.c_str(),
+                  r.kernel.c_str(), r.reason.c_str());
+      continue;
+    }
+    std::printf("%-6lld %-7s %-5s %-20s %-30s %5d %10s %9s %9s %8s %8s %8s %9s %9s\n", r.c.lk, hh.c_str(),
+                r.c.dtype.c_str(), r.what.c_str(), r.kernel.c_str(), r.iters, fmt(r.ms.median, 3).c_str(),
+                fmt(r.ms.min, 3).c_str(), fmt(r.ms.max, 3).c_str(), fmt(r.gbs, 1).c_str(),
+                fmt(100.0 * r.of_bandwidth, 0).c_str(), fmt(r.vs_sdpa, 2).c_str(), fmt(r.vs_dense, 2).c_str(),
+                fmt_err(r.max_err).c_str());
+  }
+  std::printf("\n");
+  for (const auto& n : notes) std::printf("%s\n", n.c_str());
+  std::printf("load average at end: %s\n", load_average().c_str());
+  if (!g_opt.json.empty()) {
+    json j;
+    j["mode"] = "decode";
+    j["date"] = date;
+    j["commit"] = commit;
+    j["cpu"] = cpu_model();
+    j["threads"] = g_opt.threads;
+    j["batch"] = g_opt.batch;
+    j["query_rows"] = g_opt.query_rows;
+    j["head_dim"] = g_opt.head_dim;
+    j["notes"] = notes;
+    j["rows"] = json::array();
+    for (const decode_row& r : rows) {
+      j["rows"].push_back({{"Lk", r.c.lk}, {"H", r.c.heads}, {"Hkv", r.c.heads_kv}, {"cache", r.c.dtype},
+                           {"row", r.what}, {"kernel", r.kernel}, {"ok", r.ok}, {"reason", r.reason},
+                           {"iters", r.iters}, {"ms_median", r.ms.median}, {"ms_min", r.ms.min},
+                           {"ms_max", r.ms.max}, {"gbs", r.gbs}, {"fraction_of_bandwidth", r.of_bandwidth},
+                           {"vs_sdpa", r.vs_sdpa}, {"vs_dense", r.vs_dense}, {"max_err", r.max_err}});
+    }
+    const std::string text = j.dump(2) + "\n";  // non-finite numbers are written as null
+    try {
+      files::replace(g_opt.json, {files::piece(reinterpret_cast<const unsigned char*>(text.data()), text.size())});
+    } catch (const files::write_error& e) {
+      std::fprintf(stderr, "dfss bench: --json %s: %s\n", g_opt.json.c_str(), e.what());
+      return kExitInternal;
+    }
+    std::printf("wrote %s\n", g_opt.json.c_str());
+  }
+  std::printf(
+      "\nGB/s = dense K + V bytes of the cache / median time (the sparse rows read all of K but only the kept\n"
+      "rows of V, so theirs is a dense-equivalent rate); %% of bw = against the memory sweep of the same\n"
+      "configuration (a read-only pass over a buffer of the size of K + V with the same threads, timed\n"
+      "round-robin with the dfss rows); vs SDPA = SDPA median / row median (> 1: faster than SDPA); vs dense =\n"
+      "dfss dense median / row median; max err = max |out - fp64 reference| over every output, for caches up to\n"
+      "%lld keys (torch: vs float64 of the same math, every length).\n",
+      kDecodeRefKeys);
+  return kExitOk;
+}
+
+}  // namespace dfss::cli::bench

@@ -6,6 +6,7 @@
 // and [B, H, L, d] memory work without copies); H must be a multiple of Hkv.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -65,8 +66,20 @@ struct attention_config {
   dfss::pattern pattern{2, 4};
   /// Softmax scale; 0 (the default) means 1/sqrt(head_dim). Must be finite and >= 0.
   double scale = 0.0;
-  /// Bottom-right aligned causal mask (FlashAttention >= 2.1 convention).
+  /// Causal mask: key j is visible to query row i iff key_offset + j <= query_offset[b] + i; the
+  /// default query_offset aligns bottom-right (FlashAttention >= 2.1 convention).
   bool causal = false;
+  /// Global position of key 0 (docs/semantics.md, "Positions"): when the keys are a shard of a
+  /// longer sequence (split-K, context parallelism) or a window of a cache. A multiple of M, so that
+  /// the groups stay aligned; >= 0. Key lengths, causal masks and sink/recent windows count in
+  /// global positions.
+  std::int64_t key_offset = 0;
+  /// Dense sink window: every group that intersects global keys [0, sink_tokens) is kept whole
+  /// (docs/semantics.md, "Sink and recent windows"). 0: none. Fused CPU kernels and the reference.
+  std::int64_t sink_tokens = 0;
+  /// Dense recent window: every group that intersects the row's last recent_tokens visible keys
+  /// (global positions) is kept whole. 0: none. Fused CPU kernels and the reference.
+  std::int64_t recent_tokens = 0;
   dfss::backend backend = dfss::backend::automatic;
   /// Worker threads for CPU backends; 0 means all hardware threads; at most kMaxThreads.
   int num_threads = 0;
@@ -87,7 +100,10 @@ struct forward_args {
   tensor_view out;          ///< [B, Lq, H, d], written; q's type, or f32 for 16-bit q
   tensor_view lse;          ///< optional [B, H, Lq], written; f32 (f64 for f64 q). -inf for empty rows
   tensor_view bias;         ///< optional [B or 1, H or 1, Lq, Lk] additive bias, any float type
-  tensor_view key_lengths;  ///< optional [B] valid keys per batch, i32 or i64, each in [0, Lk]
+  tensor_view key_lengths;  ///< optional [B] valid keys per batch in global positions, i32 or i64,
+                            ///< each >= 0 (keys at key_offset + j >= length are masked)
+  tensor_view query_offset;  ///< optional [B] global position of query row 0 per batch, i32 or i64,
+                             ///< each >= 0; default key_offset + Lk - Lq (bottom-right)
   /// Optional outputs of the three-stage CPU pipeline (cpu_algorithm::three_stage only): the
   /// compressed score matrix. With G = ceil(Lk / M) groups per row:
   tensor_view compressed_values;   ///< [B, H, Lq, G * N] f32: kept scaled scores (-inf if masked)
@@ -108,6 +124,8 @@ struct backward_args {
   tensor_view bias;         ///< optional, as in forward_args
   tensor_view dbias;        ///< optional, written: same shape and type as bias
   tensor_view key_lengths;  ///< optional, as in forward_args
+  tensor_view query_offset;  ///< optional, as in forward_args
+  tensor_view dlse;         ///< optional gradient of the forward's LSE [B, H, Lq], lse's type; absent = 0
 };
 
 /// @brief Computes O (and LSE) in place of args.out (args.lse). Throws dfss::error on bad input,

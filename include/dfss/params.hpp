@@ -52,9 +52,22 @@ struct attention_params {
   int pattern_m = 4;
   /// Softmax scale applied after selection (already resolved: never a default marker here).
   double scale = 0.0;
-  /// Bottom-right aligned causal mask: key j visible to query i iff j <= i + (seqlen_k - seqlen_q).
+  /// Causal mask: key j visible to query row i of batch b iff key_offset + j <= query position
+  /// (query_offset[b] + i; by default bottom-right aligned: j <= i + (seqlen_k - seqlen_q)).
   bool causal = false;
-  /// Per-batch number of valid keys, [batch], i32 or i64; null means all seqlen_k keys are valid.
+  /// Global position of local key 0, a multiple of pattern_m (0 unless the keys are a shard).
+  std::int64_t key_offset = 0;
+  /// Per-batch global position of query row 0, [batch], i32 or i64; null means
+  /// key_offset + seqlen_k - seqlen_q for every batch.
+  const void* query_offset = nullptr;
+  dtype query_offset_type = dtype::i64;
+  std::int64_t query_offset_stride = 1;
+  /// Groups kept whole (docs/semantics.md, "Sink and recent windows"): those intersecting global
+  /// keys [0, sink_tokens) or the last recent_tokens visible keys of the row. 0: none.
+  std::int64_t sink_tokens = 0;
+  std::int64_t recent_tokens = 0;
+  /// Per-batch number of valid keys in global positions, [batch], i32 or i64; null means every key
+  /// of the tensor (key_offset + seqlen_k).
   const void* key_lengths = nullptr;
   dtype key_lengths_type = dtype::i64;
   std::int64_t key_lengths_stride = 1;
@@ -76,6 +89,9 @@ struct attention_params {
   /// written when non-null, type bias_type. Packed strides with 0 in broadcast dimensions.
   void* dbias = nullptr;
   std::int64_t dbias_stride[4] = {};
+  /// Optional gradient of the LSE [batch, heads, seqlen_q], type lse_type; null means zero.
+  const void* dlse = nullptr;
+  std::int64_t dlse_stride[3] = {};
 
   // Three-stage CPU pipeline only: optional compressed score outputs (see forward_args).
   float* compressed_values = nullptr;

@@ -10,6 +10,8 @@
 * ``dfss.patch_attention(model)``: swaps the self-attention of BERT-style encoders for DFSS.
 * ``dfss.merge_attention_states``: the exact merge of results over key shards (split-K, context
   parallelism).
+* ``dfss.distributed.context_parallel_attention``: DFSS over key/value shards held by the ranks of a
+  torch.distributed group, merged exactly (imported on use).
 * ``dfss.transformers.register()``: DFSS as a transformers ``attn_implementation`` (decoder LMs,
   KV-cache generation); imports transformers only when called.
 """

@@ -42,7 +42,8 @@ def mask_to_bias(mask, batch, heads, seqlen_q, seqlen_k, dtype, scale, name="att
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-              pattern="2:4", key_lengths=None, layout="bhld", return_lse=False):
+              pattern="2:4", key_lengths=None, layout="bhld", return_lse=False, key_offset=0,
+              query_offset=None, sink_tokens=0, recent_tokens=0):
     """DFSS attention: in every aligned group of M keys of a row keep the N largest scores, then
     softmax and the product with V over the kept ones (docs/semantics.md).
 
@@ -50,11 +51,20 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     [B, Hkv, Lk, d] (layout="bhld", the default; layout="blhd" takes [B, L, H, d] as FlashAttention
     does), ``attn_mask`` bool (True takes part) or float (added to the scaled scores) broadcastable to
     [B, H, Lq, Lk], ``scale`` default 1/sqrt(d). Differences: ``pattern`` ("N:M" or "dense"),
-    ``key_lengths`` ([B] valid keys per batch entry), grouped-query K/V (Hkv dividing H) always
-    allowed; ``is_causal`` is bottom-right aligned (FlashAttention >= 2.1; SDPA aligns top-left,
-    which differs only when Lq != Lk); ``dropout_p`` must be 0. Rows with no visible key give 0.
-    Returns the output in query's layout and dtype, plus LSE [B, H, Lq] (no gradient) when
-    ``return_lse``. Gradients flow to query, key, value and a float ``attn_mask``.
+    ``key_lengths`` ([B] valid keys per batch entry, in global positions), grouped-query K/V (Hkv
+    dividing H) always allowed; ``is_causal`` is bottom-right aligned (FlashAttention >= 2.1; SDPA
+    aligns top-left, which differs only when Lq != Lk); ``dropout_p`` must be 0. Rows with no
+    visible key give 0.
+
+    Positions (docs/semantics.md, "Positions"): ``key_offset`` is the global position of key 0 (a
+    multiple of M: shards of a longer sequence, windows of a cache), ``query_offset`` ([B] int tensor)
+    the global position of query row 0 per batch entry (default ``key_offset + Lk - Lq``). Dense
+    windows: every group touching the first ``sink_tokens`` keys or a row's last ``recent_tokens``
+    visible keys is kept whole ("Sink and recent windows").
+
+    Returns the output in query's layout and dtype, plus LSE [B, H, Lq] when ``return_lse``.
+    Gradients flow to query, key, value, a float ``attn_mask``, and through the LSE (so that
+    ``dfss.merge_attention_states`` of key shards is differentiable end to end).
     """
     if layout not in ("bhld", "blhd"):
         raise ValueError(f"dfss.attention: argument 'layout': expected 'bhld' or 'blhd', got {layout!r}")
@@ -74,8 +84,12 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if attn_mask is not None:
         eff_scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
         bias = mask_to_bias(attn_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.dtype, eff_scale)
+    for name, value in (("key_offset", key_offset), ("sink_tokens", sink_tokens), ("recent_tokens", recent_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"dfss.attention: argument '{name}': expected an int, got {type(value).__name__}")
     out, lse = torch.ops.dfss.attention(q, k, v, pattern, bool(is_causal),
-                                        None if scale is None else float(scale), key_lengths, bias)
+                                        None if scale is None else float(scale), key_lengths, bias,
+                                        key_offset, query_offset, sink_tokens, recent_tokens)
     if layout == "bhld":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -216,10 +216,6 @@ _UNSUPPORTED = (
 
 
 def _make_attention_function(name, pattern, sink_tokens, recent_tokens):
-    # sink_tokens / recent_tokens: 0 today (register() rejects other values); kept here so that the
-    # operator's options can be passed through once the kernels have them.
-    del sink_tokens, recent_tokens
-
     def dfss_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                        is_causal=None, **kwargs):
         where = f"attn_implementation '{name}' ({type(module).__name__})"
@@ -271,7 +267,7 @@ def _make_attention_function(name, pattern, sink_tokens, recent_tokens):
         # back, so no copy either way. Grouped-query K/V (Hkv dividing H) go in as they are.
         out, _ = torch.ops.dfss.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                           pattern, causal, None if scaling is None else float(scaling),
-                                          key_lengths, bias)
+                                          key_lengths, bias, 0, None, sink_tokens, recent_tokens)
         return out, None
 
     dfss_attention.__name__ = f"dfss_attention_{name}"
@@ -281,10 +277,6 @@ def _make_attention_function(name, pattern, sink_tokens, recent_tokens):
 def _check_window(arg, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(_error(f"register: argument '{arg}': expected an int >= 0, got {value!r}"))
-    if value != 0:
-        raise NotImplementedError(_error(
-            f"register: argument '{arg}'={value}: dense sink and recent windows are not implemented by "
-            f"the dfss kernels yet (issue 14 part 3); pass 0"))
 
 
 def register(name="dfss", pattern="2:4", sink_tokens=0, recent_tokens=0):
@@ -295,7 +287,10 @@ def register(name="dfss", pattern="2:4", sink_tokens=0, recent_tokens=0):
 
     Registering the same name again replaces it (for models created afterwards, and for existing
     models at their next forward: transformers looks the function up by name at every call).
-    ``sink_tokens`` and ``recent_tokens`` (dense windows; issue 14 part 3) must be 0 for now.
+    ``sink_tokens`` and ``recent_tokens`` keep dense every group that touches the first
+    ``sink_tokens`` cache slots or a query's last ``recent_tokens`` visible keys (docs/semantics.md,
+    "Sink and recent windows"; as NVIDIA Model Optimizer's N:M prefill masking does). Positions count
+    cache slots: with left padding the sink covers the padding slots, not a sequence's first tokens.
     Not implemented, raising NotImplementedError at the forward: sliding-window layers, logit
     soft-capping, learned sinks (``s_aux``), T5-style position bias, ``head_mask``, attention dropout
     (training with ``attention_dropout > 0``) and ``output_attentions=True``.

@@ -53,7 +53,8 @@ const char* first_device_argument(const attention_params& p) noexcept {
   } args[] = {{"q", p.q},       {"k", p.k},     {"v", p.v},       {"out", p.o},
               {"lse", p.lse},   {"bias", p.bias}, {"key_lengths", p.key_lengths},
               {"dout", p.dout}, {"dq", p.dq},   {"dk", p.dk},     {"dv", p.dv},
-              {"dbias", p.dbias}, {"compressed_values", p.compressed_values},
+              {"dbias", p.dbias}, {"query_offset", p.query_offset}, {"dlse", p.dlse},
+              {"compressed_values", p.compressed_values},
               {"compressed_indices", p.compressed_indices}, {"compressed_meta", p.compressed_meta}};
   // One driver look-up per call, not one per argument: without a loaded driver (the common case)
   // each look-up is a dlopen(RTLD_NOLOAD) under the loader's lock.

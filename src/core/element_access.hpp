@@ -36,19 +36,47 @@ inline void store_from_double(void* base, dtype t, std::int64_t off, double x) n
   }
 }
 
-/// @brief Number of valid keys of batch @p b (key padding), seqlen_k when no lengths were given.
+/// @brief Valid keys of batch @p b in global positions (key padding): key_lengths[b], or
+/// key_offset + seqlen_k (every key of the tensor) when no lengths were given.
 inline std::int64_t valid_keys(const attention_params& p, std::int64_t b) noexcept {
-  if (p.key_lengths == nullptr) return p.seqlen_k;
+  if (p.key_lengths == nullptr) return p.key_offset + p.seqlen_k;
   const std::int64_t off = b * p.key_lengths_stride;
   return p.key_lengths_type == dtype::i32
              ? static_cast<const std::int32_t*>(p.key_lengths)[off]
              : static_cast<const std::int64_t*>(p.key_lengths)[off];
 }
 
-/// @brief Exclusive end of the keys query row @p i of batch @p b sees: keys [0, end) are visible,
-/// every later key is masked. The one rule of dfss/mask/visibility.hpp on this call's params.
+/// @brief Global position of query row @p i of batch @p b: query_offset[b] + i, or by default
+/// key_offset + seqlen_k - seqlen_q + i (bottom-right alignment).
+inline std::int64_t query_position(const attention_params& p, std::int64_t b, std::int64_t i) noexcept {
+  if (p.query_offset == nullptr) return p.key_offset + p.seqlen_k - p.seqlen_q + i;
+  const std::int64_t off = b * p.query_offset_stride;
+  const std::int64_t q0 = p.query_offset_type == dtype::i32 ? static_cast<const std::int32_t*>(p.query_offset)[off]
+                                                            : static_cast<const std::int64_t*>(p.query_offset)[off];
+  return q0 + i;
+}
+
+/// @brief Global exclusive end of the keys query row @p i of batch @p b sees (the row's last
+/// visible key is one before it; it may lie beyond this call's keys).
+inline std::int64_t global_visible_end(const attention_params& p, std::int64_t b, std::int64_t i) noexcept {
+  return mask::global_visible_end(p.causal, valid_keys(p, b), query_position(p, b, i));
+}
+
+/// @brief Exclusive end of the keys query row @p i of batch @p b sees: local keys [0, end) are
+/// visible, every later key is masked. The one rule of dfss/mask/visibility.hpp on this call's params.
 inline std::int64_t visible_end(const attention_params& p, std::int64_t b, std::int64_t i) noexcept {
-  return mask::visible_end(p.causal, p.seqlen_q, p.seqlen_k, valid_keys(p, b), i);
+  return mask::local_end(global_visible_end(p, b, i), p.key_offset, p.seqlen_k);
+}
+
+/// @brief Whether any group of a row may be kept whole (sink or recent window requested).
+inline bool has_whole_groups(const attention_params& p) noexcept { return p.sink_tokens > 0 || p.recent_tokens > 0; }
+
+/// @brief The local key ranges of row @p i of batch @p b whose groups are kept whole (sink and
+/// recent windows; both empty when neither was requested).
+inline mask::whole_groups whole_groups(const attention_params& p, std::int64_t b, std::int64_t i) noexcept {
+  if (!has_whole_groups(p)) return {};
+  return mask::whole_groups_of(p.sink_tokens, p.recent_tokens, p.pattern_m, p.key_offset, p.seqlen_k,
+                               global_visible_end(p, b, i));
 }
 
 /// @brief Offset of [b, l, h, d] in a tensor with element strides @p s.

@@ -93,6 +93,13 @@ kernel_selection select_cuda(const attention_params& p, direction dir) {
                                      ? "the CUDA backend has no backward kernels yet; use backend cpu or reference"
                                      : "the CUDA backend has no forward kernels");
   }
+  if (p.sink_tokens > 0 || p.recent_tokens > 0) {
+    return reject(backend::cuda, "the CUDA backend does not take sink_tokens or recent_tokens (its compressed N-of-M "
+                                 "format cannot hold a group kept whole); use backend cpu");
+  }
+  if (p.key_offset != 0 || p.query_offset != nullptr) {
+    return reject(backend::cuda, "the CUDA backend does not take key_offset or query_offset yet; use backend cpu");
+  }
   const std::string why = e->unsupported_reason != nullptr ? e->unsupported_reason(p) : std::string();
   if (!why.empty()) return reject(backend::cuda, why);
   kernel_selection s = make(*e);

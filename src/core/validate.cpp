@@ -235,7 +235,7 @@ void copy_strides(const tensor_view& t, std::int64_t* dst, int n) {
 
 /// Validates everything the forward and backward share: q, k, v, options, bias, key lengths.
 void check_common(checker& c, const tensor_view& q, const tensor_view& k, const tensor_view& v,
-                  const tensor_view& bias, const tensor_view& key_lengths,
+                  const tensor_view& bias, const tensor_view& key_lengths, const tensor_view& query_offset,
                   const attention_config& config, attention_params& p) {
   if (!check_view(c, "q", q, 4)) return;
   if (!dtype_is_floating(q.type)) {
@@ -327,6 +327,32 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
   }
   p.scale = config.scale > 0.0 ? config.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   p.causal = config.causal;
+  if (config.key_offset < 0 || config.key_offset > kMaxPosition - p.seqlen_k || config.key_offset % pat.m != 0) {
+    c.fail("config.key_offset",
+           "a multiple of M = " + std::to_string(pat.m) + " (groups stay aligned) in [0, " +
+               std::to_string(kMaxPosition - p.seqlen_k) + "]",
+           std::to_string(config.key_offset));
+    return;
+  }
+  p.key_offset = config.key_offset;
+  for (const auto& [name, value] : {std::pair{"config.sink_tokens", config.sink_tokens},
+                                    std::pair{"config.recent_tokens", config.recent_tokens}}) {
+    if (value < 0 || value > kMaxPosition) {
+      c.fail(name, "a value in [0, " + std::to_string(kMaxPosition) + "] (0: no window)", std::to_string(value));
+      return;
+    }
+  }
+  p.sink_tokens = config.sink_tokens;
+  p.recent_tokens = config.recent_tokens;
+  if ((p.sink_tokens > 0 || p.recent_tokens > 0) && config.cpu_algorithm == cpu_algorithm::three_stage &&
+      (config.backend == backend::cpu || config.backend == backend::automatic)) {
+    // A whole group holds M kept keys, the compressed N-of-M rows of the pipeline have room for N.
+    c.fail(p.sink_tokens > 0 ? "config.sink_tokens" : "config.recent_tokens",
+           "0 with cpu_algorithm three_stage (its compressed N-of-M format cannot hold a group kept whole; "
+           "use cpu_algorithm fused)",
+           std::to_string(p.sink_tokens > 0 ? p.sink_tokens : p.recent_tokens));
+    return;
+  }
   if (config.num_threads < 0 || config.num_threads > kMaxThreads) {
     c.fail("config.num_threads",
            "a value in [0, " + std::to_string(kMaxThreads) + "] (0 means all hardware threads)",
@@ -379,8 +405,10 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
       const std::int64_t len = key_lengths.type == dtype::i32
                                    ? static_cast<const std::int32_t*>(key_lengths.data)[off]
                                    : static_cast<const std::int64_t*>(key_lengths.data)[off];
-      if (len < 0 || len > p.seqlen_k) {
-        c.fail("key_lengths", "values in [0, seqlen_k = " + std::to_string(p.seqlen_k) + "]",
+      if (len < 0 || len > kMaxPosition) {
+        c.fail("key_lengths", "values in [0, " + std::to_string(kMaxPosition) +
+                                  "] (valid keys in global positions; lengths beyond key_offset + seqlen_k = " +
+                                  std::to_string(p.key_offset + p.seqlen_k) + " leave every key valid)",
                std::to_string(len) + " at index " + std::to_string(b));
         return;
       }
@@ -388,6 +416,35 @@ void check_common(checker& c, const tensor_view& q, const tensor_view& k, const 
     p.key_lengths = key_lengths.data;
     p.key_lengths_type = key_lengths.type;
     p.key_lengths_stride = key_lengths.stride[0];
+  }
+
+  if (query_offset.present()) {
+    if (!check_view(c, "query_offset", query_offset, 1)) return;
+    if (query_offset.type != dtype::i32 && query_offset.type != dtype::i64) {
+      c.fail("query_offset", "element type i32 or i64", dtype_name(query_offset.type));
+      return;
+    }
+    check_dim(c, "query_offset", query_offset, 0, "batch", p.batch);
+    if (c.failed()) return;
+    if (config.backend == backend::cuda || is_device_pointer(query_offset.data)) {
+      c.fail("query_offset", "host memory (the cuda backend does not take query offsets yet)", "device memory",
+             status_code::unsupported);
+      return;
+    }
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      const std::int64_t off = b * query_offset.stride[0];
+      const std::int64_t q0 = query_offset.type == dtype::i32
+                                  ? static_cast<const std::int32_t*>(query_offset.data)[off]
+                                  : static_cast<const std::int64_t*>(query_offset.data)[off];
+      if (q0 < 0 || q0 > kMaxPosition - p.seqlen_q) {
+        c.fail("query_offset", "values in [0, " + std::to_string(kMaxPosition - p.seqlen_q) + "] (global positions)",
+               std::to_string(q0) + " at index " + std::to_string(b));
+        return;
+      }
+    }
+    p.query_offset = query_offset.data;
+    p.query_offset_type = query_offset.type;
+    p.query_offset_stride = query_offset.stride[0];
   }
 }
 
@@ -478,7 +535,7 @@ status build_forward_params(const forward_args& a, const attention_config& confi
                             attention_params& p) {
   checker c(op);
   p = attention_params{};
-  check_common(c, a.q, a.k, a.v, a.bias, a.key_lengths, config, p);
+  check_common(c, a.q, a.k, a.v, a.bias, a.key_lengths, a.query_offset, config, p);
   if (check_view(c, "out", a.out, 4)) {
     check_same_shape(c, "out", a.out, "q", a.q);
     check_output_type(c, "out", a.out, p.input_type);
@@ -493,6 +550,7 @@ status build_forward_params(const forward_args& a, const attention_config& confi
   std::vector<named_view> inputs{{"q", &a.q}, {"k", &a.k}, {"v", &a.v}};
   if (a.bias.present()) inputs.push_back({"bias", &a.bias});
   if (a.key_lengths.present()) inputs.push_back({"key_lengths", &a.key_lengths});
+  if (a.query_offset.present()) inputs.push_back({"query_offset", &a.query_offset});
   check_outputs(c, outputs, inputs);
   if (c.failed()) return c.result();
 
@@ -520,7 +578,7 @@ status build_backward_params(const backward_args& a, const attention_config& con
                              attention_params& p) {
   checker c(op);
   p = attention_params{};
-  check_common(c, a.q, a.k, a.v, a.bias, a.key_lengths, config, p);
+  check_common(c, a.q, a.k, a.v, a.bias, a.key_lengths, a.query_offset, config, p);
   if (check_view(c, "dout", a.dout, 4)) {
     check_same_shape(c, "dout", a.dout, "q", a.q);
     check_type(c, "dout", a.dout, p.input_type);
@@ -530,6 +588,15 @@ status build_backward_params(const backward_args& a, const attention_config& con
     check_output_type(c, "out", a.out, p.input_type);
   }
   if (a.lse.present()) check_lse(c, a.lse, p);
+  if (a.dlse.present()) {
+    if (!a.lse.present() || !a.out.present()) {
+      c.fail("dlse", "to be given with the forward's 'out' and 'lse' (a gradient of an LSE the call would recompute)",
+             "a view without them");
+    } else if (check_view(c, "dlse", a.dlse, 3)) {
+      check_same_shape(c, "dlse", a.dlse, "lse", a.lse);
+      check_type(c, "dlse", a.dlse, p.lse_type);
+    }
+  }
   if (check_view(c, "dq", a.dq, 4)) {
     check_same_shape(c, "dq", a.dq, "q", a.q);
     check_output_type(c, "dq", a.dq, p.input_type);
@@ -557,8 +624,10 @@ status build_backward_params(const backward_args& a, const attention_config& con
   std::vector<named_view> inputs{{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"dout", &a.dout}};
   if (a.out.present()) inputs.push_back({"out", &a.out});
   if (a.lse.present()) inputs.push_back({"lse", &a.lse});
+  if (a.dlse.present()) inputs.push_back({"dlse", &a.dlse});
   if (a.bias.present()) inputs.push_back({"bias", &a.bias});
   if (a.key_lengths.present()) inputs.push_back({"key_lengths", &a.key_lengths});
+  if (a.query_offset.present()) inputs.push_back({"query_offset", &a.query_offset});
   check_outputs(c, outputs, inputs);
   if (c.failed()) return c.result();
 
@@ -573,6 +642,10 @@ status build_backward_params(const backward_args& a, const attention_config& con
   if (a.lse.present()) {
     p.lse = a.lse.data;
     copy_strides(a.lse, p.lse_stride, 3);
+  }
+  if (a.dlse.present()) {
+    p.dlse = a.dlse.data;
+    copy_strides(a.dlse, p.dlse_stride, 3);
   }
   p.dq = a.dq.data;
   copy_strides(a.dq, p.dq_stride, 4);

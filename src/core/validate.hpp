@@ -1,6 +1,6 @@
 // Argument validation: turns the caller's views into an attention_params, or a status naming the
 // argument, what was expected and what came. Nothing here touches tensor contents except the key
-// lengths, which are host integers checked against [0, Lk].
+// lengths and query offsets, host integers checked against [0, kMaxPosition].
 #pragma once
 
 #include "dfss/attention.hpp"
@@ -18,6 +18,11 @@ inline constexpr std::int64_t kMaxHeadDim = 512;
 /// compressed indices) in int32, padded by up to a key tile: 2^31 - 2^16 leaves room for any
 /// tile. Element offsets are int64 everywhere, so only the index width sets this bound.
 inline constexpr std::int64_t kMaxSeqLen = (std::int64_t{1} << 31) - (std::int64_t{1} << 16);
+
+/// Largest global position (key_offset + seqlen_k, key lengths, query_offset + seqlen_q, sink and
+/// recent windows): 2^62 leaves headroom so that a position plus a window, a row index or a group
+/// never overflows int64 in any kernel's arithmetic.
+inline constexpr std::int64_t kMaxPosition = std::int64_t{1} << 62;
 
 /// @brief Validates forward arguments and fills @p params. @p op names the API call in messages.
 status build_forward_params(const forward_args& args, const attention_config& config,

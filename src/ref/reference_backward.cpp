@@ -1,5 +1,5 @@
 // fp64 reference backward (see reference.hpp and docs/semantics.md): the selection is held fixed,
-//   dV = P^T dO,  dP = dO V^T on kept entries,  dS = P * (dP - rowsum(dO * O)),
+//   dV = P^T dO,  dP = dO V^T on kept entries,  dS = P * (dP - rowsum(dO * O) + dLSE),
 //   dQ = scale * dS K,  dK = scale * dS^T Q,  dBias = scale * dS (summed over broadcast dimensions).
 #include <limits>
 #include <new>
@@ -31,6 +31,10 @@ void row_dscore(const attention_params& p, const kv_block& kv, const row_result&
     const double g = core::load_as_double(p.dout, p.input_type, core::offset4(p.dout_stride, b, i, h, c));
     dout[static_cast<std::size_t>(c)] = g;
     rowdot += g * r.out[static_cast<std::size_t>(c)];
+  }
+  // d LSE / d (scale s_j) = P_j: a gradient of the LSE adds P * dLSE to dS.
+  if (p.dlse != nullptr) {
+    rowdot -= core::load_as_double(p.dlse, p.lse_type, b * p.dlse_stride[0] + h * p.dlse_stride[1] + i * p.dlse_stride[2]);
   }
   ds.assign(static_cast<std::size_t>(L), 0.0);
   for (std::int64_t j = 0; j < L; ++j) {

@@ -70,11 +70,14 @@ inline void compute_row(const attention_params& p, const kv_block& kv, std::int6
     r.s[static_cast<std::size_t>(j)] = acc;
   }
 
-  // 3. Selection in aligned groups of M keys (a partial last group is padded with -inf).
+  // 3. Selection in aligned groups of M keys (a partial last group is padded with -inf); groups
+  // of the sink and recent windows are kept whole.
   const int n = p.pattern_n, m = p.pattern_m;
+  const mask::whole_groups whole = core::whole_groups(p, b, i);
   for (std::int64_t g0 = 0; g0 < L; g0 += m) {
     const int count = static_cast<int>(L - g0 < m ? L - g0 : m);
-    const std::uint32_t keep = nm_select_group<double>(r.s.data() + g0, count, n, m);
+    const std::uint32_t keep =
+        mask::group_is_whole(whole, g0) ? (1u << count) - 1u : nm_select_group<double>(r.s.data() + g0, count, n, m);
     for (int t = 0; t < count; ++t) r.kept[static_cast<std::size_t>(g0 + t)] = (keep >> t) & 1u;
   }
 

@@ -64,7 +64,8 @@ void check_dim(const char* op, const char* name, const at::Tensor& t, int d, con
 }  // namespace
 
 void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const optional_tensor& key_lengths, const optional_tensor& attn_bias) {
+                  const optional_tensor& key_lengths, const optional_tensor& attn_bias,
+                  const optional_tensor& query_offset) {
   check_tensor(op, device, "q", q, 4, "[B, Lq, H, d]");
   check_tensor(op, device, "k", k, 4, "[B, Lk, Hkv, d]");
   check_tensor(op, device, "v", v, 4, "[B, Lk, Hkv, d]");
@@ -89,6 +90,13 @@ void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, c
     TORCH_CHECK_VALUE(kl.scalar_type() == at::kInt || kl.scalar_type() == at::kLong, op,
                       ": argument 'key_lengths': expected dtype int32 or int64, got ", type_name(kl.scalar_type()));
     check_dim(op, "key_lengths", kl, 0, "batch", q.size(0));
+  }
+  if (query_offset.has_value() && query_offset->defined()) {
+    const at::Tensor& qo = *query_offset;
+    check_tensor(op, device, "query_offset", qo, 1, "[B]");
+    TORCH_CHECK_VALUE(qo.scalar_type() == at::kInt || qo.scalar_type() == at::kLong, op,
+                      ": argument 'query_offset': expected dtype int32 or int64, got ", type_name(qo.scalar_type()));
+    check_dim(op, "query_offset", qo, 0, "batch", q.size(0));
   }
   if (attn_bias.has_value() && attn_bias->defined()) {
     const at::Tensor& b = *attn_bias;
@@ -130,7 +138,8 @@ void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, c
 namespace {
 
 dfss::attention_config make_config(const char* op, c10::string_view pattern, bool causal,
-                                   c10::optional<double> scale) {
+                                   c10::optional<double> scale, std::int64_t key_offset, std::int64_t sink_tokens,
+                                   std::int64_t recent_tokens) {
   dfss::attention_config config;
   try {
     config.pattern = dfss::pattern::parse(std::string_view(pattern.data(), pattern.size()), "pattern");
@@ -144,6 +153,9 @@ dfss::attention_config make_config(const char* op, c10::string_view pattern, boo
     config.scale = *scale;
   }
   config.causal = causal;
+  config.key_offset = key_offset;
+  config.sink_tokens = sink_tokens;
+  config.recent_tokens = recent_tokens;
   // The caller's torch.set_num_threads() applies to dfss's OpenMP loops too.
   config.num_threads = at::get_num_threads();
   return config;
@@ -184,22 +196,31 @@ at::ScalarType lse_type(const at::Tensor& q) { return q.scalar_type() == at::kDo
 
 void check_backward_inputs(const char* op, c10::DeviceType device, const at::Tensor& dout, const at::Tensor& q,
                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                           const optional_tensor& key_lengths, const optional_tensor& attn_bias) {
-  check_inputs(op, device, q, k, v, key_lengths, attn_bias);
+                           const optional_tensor& key_lengths, const optional_tensor& attn_bias,
+                           const optional_tensor& query_offset, const optional_tensor& dlse) {
+  check_inputs(op, device, q, k, v, key_lengths, attn_bias, query_offset);
   check_tensor(op, device, "dout", dout, 4, "[B, Lq, H, d]");
   check_tensor(op, device, "out", out, 4, "[B, Lq, H, d]");
   check_tensor(op, device, "lse", lse, 3, "[B, H, Lq]");
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), op, ": argument 'dout': expected the shape of 'q' ", shape_of(q),
                     ", got ", shape_of(dout));
+  if (dlse.has_value() && dlse->defined()) {
+    check_tensor(op, device, "dlse", *dlse, 3, "[B, H, Lq]");
+    TORCH_CHECK_VALUE(dlse->sizes() == lse.sizes(), op, ": argument 'dlse': expected the shape of 'lse' ",
+                      shape_of(lse), ", got ", shape_of(*dlse));
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, c10::string_view pattern,
                                                  bool causal, c10::optional<double> scale,
                                                  const optional_tensor& key_lengths,
-                                                 const optional_tensor& attn_bias) {
-  check_inputs(kForward, c10::DeviceType::CPU, q, k, v, key_lengths, attn_bias);
-  const dfss::attention_config config = make_config(kForward, pattern, causal, scale);
+                                                 const optional_tensor& attn_bias, std::int64_t key_offset,
+                                                 const optional_tensor& query_offset, std::int64_t sink_tokens,
+                                                 std::int64_t recent_tokens) {
+  check_inputs(kForward, c10::DeviceType::CPU, q, k, v, key_lengths, attn_bias, query_offset);
+  const dfss::attention_config config =
+      make_config(kForward, pattern, causal, scale, key_offset, sink_tokens, recent_tokens);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_type(q)));
   if (q.numel() == 0) return {out, lse};
@@ -216,6 +237,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   a.out = view_of(out);
   a.lse = view_of(lse);
   a.key_lengths = optional_view(key_lengths);
+  a.query_offset = optional_view(query_offset);
   a.bias = optional_view(attn_bias);
   try {
     dfss::attention_forward(a, config);
@@ -229,11 +251,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view pattern, bool causal,
     c10::optional<double> scale, const optional_tensor& key_lengths, const optional_tensor& attn_bias,
-    bool bias_requires_grad) {
-  check_backward_inputs(kBackward, c10::DeviceType::CPU, dout, q, k, v, out, lse, key_lengths, attn_bias);
+    bool bias_requires_grad, std::int64_t key_offset, const optional_tensor& query_offset, std::int64_t sink_tokens,
+    std::int64_t recent_tokens, const optional_tensor& dlse) {
+  check_backward_inputs(kBackward, c10::DeviceType::CPU, dout, q, k, v, out, lse, key_lengths, attn_bias,
+                        query_offset, dlse);
   // dfss wants dout in q's dtype; autograd may hand over another one (e.g. from a dtype cast).
   const at::Tensor dout_q = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
-  const dfss::attention_config config = make_config(kBackward, pattern, causal, scale);
+  const dfss::attention_config config =
+      make_config(kBackward, pattern, causal, scale, key_offset, sink_tokens, recent_tokens);
+  // The LSE gradient in lse's dtype (autograd may hand over another one).
+  at::Tensor dlse_t;
+  if (dlse.has_value() && dlse->defined()) dlse_t = dlse->scalar_type() == lse.scalar_type() ? *dlse : dlse->to(lse.scalar_type());
   const bool want_dbias = bias_requires_grad && attn_bias.has_value() && attn_bias->defined();
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -259,6 +287,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
   a.dk = view_of(dk);
   a.dv = view_of(dv);
   a.key_lengths = optional_view(key_lengths);
+  a.query_offset = optional_view(query_offset);
+  if (dlse_t.defined()) a.dlse = view_of(dlse_t);
   a.bias = optional_view(attn_bias);
   if (want_dbias) a.dbias = view_of(dbias);
   try {

@@ -30,18 +30,21 @@ const at::Tensor& or_undefined(const optional_tensor& t) {
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, c10::string_view, bool,
                                                   c10::optional<double>, const optional_tensor& key_lengths,
-                                                  const optional_tensor& attn_bias) {
+                                                  const optional_tensor& attn_bias, std::int64_t,
+                                                  const optional_tensor& query_offset, std::int64_t, std::int64_t) {
   no_cuda("dfss.attention", {{"q", &q}, {"k", &k}, {"v", &v}, {"key_lengths", &or_undefined(key_lengths)},
-                             {"attn_bias", &or_undefined(attn_bias)}});
+                             {"attn_bias", &or_undefined(attn_bias)}, {"query_offset", &or_undefined(query_offset)}});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view, bool, c10::optional<double>,
-    const optional_tensor& key_lengths, const optional_tensor& attn_bias, bool) {
+    const optional_tensor& key_lengths, const optional_tensor& attn_bias, bool, std::int64_t,
+    const optional_tensor& query_offset, std::int64_t, std::int64_t, const optional_tensor& dlse) {
   no_cuda("dfss.attention_backward",
           {{"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse},
-           {"key_lengths", &or_undefined(key_lengths)}, {"attn_bias", &or_undefined(attn_bias)}});
+           {"key_lengths", &or_undefined(key_lengths)}, {"attn_bias", &or_undefined(attn_bias)},
+           {"query_offset", &or_undefined(query_offset)}, {"dlse", &or_undefined(dlse)}});
 }
 
 }  // namespace

@@ -11,8 +11,9 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> attention_meta(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, c10::string_view, bool,
                                                   c10::optional<double>, const optional_tensor& key_lengths,
-                                                  const optional_tensor& attn_bias) {
-  check_inputs("dfss.attention", c10::DeviceType::Meta, q, k, v, key_lengths, attn_bias);
+                                                  const optional_tensor& attn_bias, std::int64_t,
+                                                  const optional_tensor& query_offset, std::int64_t, std::int64_t) {
+  check_inputs("dfss.attention", c10::DeviceType::Meta, q, k, v, key_lengths, attn_bias, query_offset);
   const at::ScalarType lse_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return {at::empty(q.sizes(), q.options()),
           at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_type))};
@@ -21,9 +22,10 @@ std::tuple<at::Tensor, at::Tensor> attention_meta(const at::Tensor& q, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view, bool, c10::optional<double>,
-    const optional_tensor& key_lengths, const optional_tensor& attn_bias, bool bias_requires_grad) {
+    const optional_tensor& key_lengths, const optional_tensor& attn_bias, bool bias_requires_grad, std::int64_t,
+    const optional_tensor& query_offset, std::int64_t, std::int64_t, const optional_tensor& dlse) {
   check_backward_inputs("dfss.attention_backward", c10::DeviceType::Meta, dout, q, k, v, out, lse, key_lengths,
-                        attn_bias);
+                        attn_bias, query_offset, dlse);
   const bool want_dbias = bias_requires_grad && attn_bias.has_value() && attn_bias->defined();
   return {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options()),
           at::empty(v.sizes(), v.options()),

@@ -7,6 +7,7 @@
 // Autograd (ops.cpp), which calls the other two through the dispatcher.
 #pragma once
 
+#include <cstdint>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -21,24 +22,29 @@ using optional_tensor = c10::optional<at::Tensor>;
 using attention_signature = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::string_view pattern,
     bool causal, c10::optional<double> scale, const optional_tensor& key_lengths,
-    const optional_tensor& attn_bias);
+    const optional_tensor& attn_bias, std::int64_t key_offset, const optional_tensor& query_offset,
+    std::int64_t sink_tokens, std::int64_t recent_tokens);
 
 /// C++ signature of dfss::attention_backward. dbias is a 0-element tensor unless
-/// bias_requires_grad is set and attn_bias is given.
+/// bias_requires_grad is set and attn_bias is given. dlse: the gradient of lse, or absent (zero).
 using attention_backward_signature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view pattern, bool causal,
     c10::optional<double> scale, const optional_tensor& key_lengths,
-    const optional_tensor& attn_bias, bool bias_requires_grad);
+    const optional_tensor& attn_bias, bool bias_requires_grad, std::int64_t key_offset,
+    const optional_tensor& query_offset, std::int64_t sink_tokens, std::int64_t recent_tokens,
+    const optional_tensor& dlse);
 
 /// The checks shared by every device's kernels, with the operator's argument names: tensors on
 /// @p device (else RuntimeError), ranks, dtypes and shapes (else ValueError).
 void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const optional_tensor& key_lengths, const optional_tensor& attn_bias);
+                  const at::Tensor& v, const optional_tensor& key_lengths, const optional_tensor& attn_bias,
+                  const optional_tensor& query_offset = c10::nullopt);
 /// check_inputs plus dout, out and lse of the backward.
 void check_backward_inputs(const char* op, c10::DeviceType device, const at::Tensor& dout, const at::Tensor& q,
                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                           const optional_tensor& key_lengths, const optional_tensor& attn_bias);
+                           const optional_tensor& key_lengths, const optional_tensor& attn_bias,
+                           const optional_tensor& query_offset = c10::nullopt, const optional_tensor& dlse = c10::nullopt);
 
 attention_signature attention_cpu;
 attention_backward_signature attention_backward_cpu;

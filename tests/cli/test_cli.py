@@ -152,6 +152,34 @@ class CliTest(DfssCliCase):
                 self.assertLessEqual(rel_err(o, want_o), 1e-12)
                 self.assertLessEqual(rel_err(lse, want_lse), 1e-12)
 
+    def test_key_shards_with_positions_merge_to_the_whole(self):
+        # --key-offset, --query-offset and the windows: two shards at a multiple of M, merged with
+        # the log-sum-exp rule written here, give the call over all keys.
+        q, k, v = self.operands(Lq=3, Lk=23)
+        qoff = self.save("qoff.npy", np.array([19, 12], dtype=np.int64))
+        lens = self.save("lens.npy", np.array([23, 15], dtype=np.int64))
+        common = ["--q", self.save("q.npy", q), "--pattern", "2:4", "--causal", "--backend", "reference",
+                  "--query-offset", qoff, "--key-lengths", lens, "--sink-tokens", "2", "--recent-tokens", "5"]
+        def run(k_part, v_part, offset, name):
+            r = self.run_dfss("attention", *common, "--k", self.save(name + "k.npy", k_part),
+                              "--v", self.save(name + "v.npy", v_part), "--key-offset", str(offset),
+                              "--out", self.path(name + "o.npy"), "--lse", self.path(name + "lse.npy"))
+            self.assertEqual(r.returncode, 0, r.stderr)
+            return np.load(self.path(name + "o.npy")), np.load(self.path(name + "lse.npy"))
+        whole_o, whole_lse = run(k, v, 0, "w")
+        oa, la = run(k[:, :12], v[:, :12], 0, "a")
+        ob, lb = run(k[:, 12:], v[:, 12:], 12, "b")
+        lse = np.logaddexp(la, lb)                                  # [B, H, Lq]
+        wa = np.exp(la - lse).transpose(0, 2, 1)[..., None]         # [B, Lq, H, 1]
+        wb = np.exp(lb - lse).transpose(0, 2, 1)[..., None]
+        self.assertLessEqual(rel_err(wa * oa + wb * ob, whole_o), 1e-12)
+        self.assertLessEqual(rel_err(lse, whole_lse), 1e-12)
+        # The windows change the result (the test above would pass vacuously otherwise).
+        r = self.run_dfss("attention", *common[:-4], "--k", self.path("wk.npy"), "--v", self.path("wv.npy"),
+                          "--out", self.path("plain.npy"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertGreater(np.abs(np.load(self.path("plain.npy")) - whole_o).max(), 1e-6)
+
     def test_reference_backward_reproduces_semantics(self):
         q, k, v = self.operands()
         dout = self.rng.standard_normal(q.shape)
@@ -244,10 +272,16 @@ class CliTest(DfssCliCase):
         self.expect_bad_input(self.base_args() + ["--pattern", "17:17"], "--pattern")
         self.expect_bad_input(self.base_args() + ["--backend", "tpu"], "--backend", "tpu")
         self.expect_bad_input(self.base_args() + ["--backend", "cuda"], "cuda")
-        self.expect_bad_input(self.base_args() + ["--key-lengths", self.save("l.npy", np.array([3, 99], dtype=np.int64))],
-                              "key_lengths", "99")
+        self.expect_bad_input(self.base_args() + ["--key-lengths", self.save("l.npy", np.array([3, -99], dtype=np.int64))],
+                              "key_lengths", "-99")
         self.expect_bad_input(self.base_args() + ["--key-lengths", self.save("lf.npy", np.array([3.0, 9.0]))],
                               "int32 or int64")
+        self.expect_bad_input(self.base_args() + ["--key-offset", "3"], "key_offset", "multiple of M = 4", "got 3")
+        self.expect_bad_input(self.base_args() + ["--query-offset", self.save("qo.npy", np.array([1.0, 2.0]))],
+                              "--query-offset", "int32 or int64")
+        self.expect_bad_input(self.base_args() + ["--query-offset", self.save("qo3.npy", np.array([1, 2, 3]))],
+                              "--query-offset", "[B] = [2]")
+        self.expect_bad_input(self.base_args() + ["--sink-tokens", "-1"], "sink_tokens", "-1")
         self.expect_bad_input(self.base_args() + ["--bias", self.save("b.npy", np.zeros((3, 5)))], "--bias", "[3, 5]")
         self.expect_bad_input(self.base_args() + ["--dout", self.save("do.npy", q)], "--dq")
         self.expect_bad_input(self.base_args() + ["--scale", "-2"], "scale")

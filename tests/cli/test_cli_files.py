@@ -186,7 +186,7 @@ class ValidationBeforeWriting(FilesCase):
         self.save("do_f64.npy", self.q.astype(np.float64))
         with open(self.path("do_cut.npy"), "wb") as f, open(self.path("do.npy"), "rb") as g:
             f.write(g.read()[:-1])
-        self.save("lens_bad.npy", np.array([3, 99], dtype=np.int64))
+        self.save("lens_bad.npy", np.array([3, -99], dtype=np.int64))
         self.save("lens_shape.npy", np.array([3, 4, 5], dtype=np.int64))
         three_stage = ["--algorithm", "three-stage", "--backend", "cpu"]
         cases = [
@@ -201,7 +201,7 @@ class ValidationBeforeWriting(FilesCase):
             (self.attention(*three_stage, "--save-compressed", "missing/p"), "--save-compressed missing/p.values.npy"),
             (self.attention(*self.backward(dq="missing/dq.npy")), "--dq missing/dq.npy"),
             (self.attention(*self.backward(dv="adir")), "--dv adir", "directory"),
-            (self.attention("--key-lengths", "lens_bad.npy", "--lse", "lse.npy"), "key_lengths", "99"),
+            (self.attention("--key-lengths", "lens_bad.npy", "--lse", "lse.npy"), "key_lengths", "-99"),
             (self.attention("--key-lengths", "lens_shape.npy"), "--key-lengths lens_shape.npy", "[B] = [2]"),
             (self.attention("--bias", "do.npy", *self.backward(), "--dbias", "db.npy"), "--bias do.npy", "Lq, Lk"),
             (self.attention("--backend", "cuda", *self.backward()), "cuda"),

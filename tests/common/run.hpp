@@ -76,8 +76,8 @@ struct runner {
   const run_options& opt;
   stored<T> q, k, v, dout;
   std::vector<double> bias_store;  // bias kept in f64 (any float type is accepted)
-  std::vector<std::int64_t> lens;
-  tensor_view bias_view, lens_view;
+  std::vector<std::int64_t> lens, qoff;
+  tensor_view bias_view, lens_view, qoff_view;
   attention_config cfg;
 
   runner(const problem& p, const run_options& o) : pr(p), opt(o) {
@@ -95,6 +95,13 @@ struct runner {
       lens = pr.key_lengths;
       lens_view = make_view(lens.data(), {pr.B});
     }
+    if (!pr.query_offset.empty()) {
+      qoff = pr.query_offset;
+      qoff_view = make_view(qoff.data(), {pr.B});
+    }
+    cfg.key_offset = pr.key_offset;
+    cfg.sink_tokens = pr.sink;
+    cfg.recent_tokens = pr.recent;
     cfg.pattern = pr.pat;
     cfg.scale = pr.scale;
     cfg.causal = pr.causal;
@@ -114,6 +121,7 @@ struct runner {
     if (opt.want_lse) a.lse = make_view(lse.data(), {pr.B, pr.H, pr.Lq});
     a.bias = bias_view;
     a.key_lengths = lens_view;
+    a.query_offset = qoff_view;
     attention_forward(a, cfg);
     forward_result r;
     r.o = o.packed();
@@ -135,6 +143,24 @@ struct runner {
     a.bias = bias_view;
     if (pr.has_bias) a.dbias = make_view(dbias.data(), {pr.bias_b ? pr.B : 1, pr.bias_h ? pr.H : 1, pr.Lq, pr.Lk});
     a.key_lengths = lens_view;
+    a.query_offset = qoff_view;
+    // A gradient of the LSE goes with the forward's O and LSE (computed here by the same config).
+    using L = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    stored<O> o;
+    std::vector<L> lse, dlse;
+    if (!pr.dlse.empty()) {
+      o.init(pr.B, pr.Lq, pr.H, pr.d, opt.bhld);
+      lse.assign(static_cast<std::size_t>(pr.B * pr.H * pr.Lq), static_cast<L>(kNaN));
+      forward_args f;
+      f.q = q.view, f.k = k.view, f.v = v.view, f.out = o.view;
+      f.lse = make_view(lse.data(), {pr.B, pr.H, pr.Lq});
+      f.bias = bias_view, f.key_lengths = lens_view, f.query_offset = qoff_view;
+      attention_forward(f, cfg);
+      for (double x : pr.dlse) dlse.push_back(static_cast<L>(x));
+      a.out = o.view;
+      a.lse = f.lse;
+      a.dlse = make_view(dlse.data(), {pr.B, pr.H, pr.Lq});
+    }
     attention_backward(a, cfg);
     return {dq.packed(), dk.packed(), dv.packed(), dbias};
   }
@@ -172,6 +198,59 @@ inline backward_result run_backward(const problem& pr, const run_options& opt = 
   return detail::dispatch(opt, [&]<typename T, typename O>() {
     return detail::runner<T, O>(pr, opt).backward();
   });
+}
+
+/// Independent backward in matrix form from the naive forward's keep mask:
+/// P dense with zeros where pruned, then the formulas of docs/semantics.md.
+inline backward_result naive_backward(const problem& pr) {
+  const auto f = naive_forward(pr);
+  backward_result g;
+  g.dq.assign(static_cast<std::size_t>(pr.q_numel()), 0.0);
+  g.dk.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
+  g.dv.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
+  g.dbias.assign(pr.has_bias ? static_cast<std::size_t>(pr.bias_numel()) : 0, 0.0);
+  const double sc = pr.resolved_scale();
+  const auto d = pr.d;
+  auto Q = [&](auto b, auto i, auto h, auto c) { return static_cast<std::size_t>(((b * pr.Lq + i) * pr.H + h) * d + c); };
+  auto K = [&](auto b, auto j, auto h, auto c) { return static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + h) * d + c); };
+  for (std::int64_t b = 0; b < pr.B; ++b)
+    for (std::int64_t h = 0; h < pr.H; ++h) {
+      const std::int64_t hk = h / (pr.H / pr.Hkv);
+      for (std::int64_t i = 0; i < pr.Lq; ++i) {
+        const double lse = f.lse[static_cast<std::size_t>((b * pr.H + h) * pr.Lq + i)];
+        if (lse == -kInf) continue;
+        std::vector<double> P(static_cast<std::size_t>(pr.Lk), 0.0), dP(static_cast<std::size_t>(pr.Lk), 0.0);
+        double D = 0;
+        for (std::int64_t c = 0; c < d; ++c) D += pr.dout[Q(b, i, h, c)] * f.o[Q(b, i, h, c)];
+        // A gradient of the LSE: d LSE / d (scale s_j) = P_j, so dS gains P dLSE.
+        if (!pr.dlse.empty()) D -= pr.dlse[static_cast<std::size_t>((b * pr.H + h) * pr.Lq + i)];
+        for (std::int64_t j = 0; j < pr.Lk; ++j) {
+          if (!f.keep[static_cast<std::size_t>(((b * pr.H + h) * pr.Lq + i) * pr.Lk + j)]) continue;
+          double s = 0;
+          for (std::int64_t c = 0; c < d; ++c) s += pr.q[Q(b, i, h, c)] * pr.k[K(b, j, hk, c)];
+          if (pr.has_bias)
+            s += pr.bias[static_cast<std::size_t>((((pr.bias_b ? b : 0) * (pr.bias_h ? pr.H : 1) + (pr.bias_h ? h : 0)) * pr.Lq + i) * pr.Lk + j)];
+          // Global positions, as in naive_forward.
+          const std::int64_t len = pr.key_lengths.empty() ? pr.key_offset + pr.Lk : pr.key_lengths[static_cast<std::size_t>(b)];
+          const std::int64_t qpos = pr.query_offset.empty() ? pr.key_offset + pr.Lk - pr.Lq + i
+                                                             : pr.query_offset[static_cast<std::size_t>(b)] + i;
+          const bool masked = pr.key_offset + j >= len || (pr.causal && pr.key_offset + j > qpos);
+          P[static_cast<std::size_t>(j)] = (masked || std::isinf(s)) ? 0.0 : std::exp(sc * s - lse);
+          for (std::int64_t c = 0; c < d; ++c) dP[static_cast<std::size_t>(j)] += pr.dout[Q(b, i, h, c)] * pr.v[K(b, j, hk, c)];
+        }
+        for (std::int64_t j = 0; j < pr.Lk; ++j) {
+          const double dS = P[static_cast<std::size_t>(j)] * (dP[static_cast<std::size_t>(j)] - D);
+          for (std::int64_t c = 0; c < d; ++c) {
+            g.dq[Q(b, i, h, c)] += sc * dS * pr.k[K(b, j, hk, c)];
+            g.dk[K(b, j, hk, c)] += sc * dS * pr.q[Q(b, i, h, c)];
+            g.dv[K(b, j, hk, c)] += P[static_cast<std::size_t>(j)] * pr.dout[Q(b, i, h, c)];
+          }
+          if (pr.has_bias)
+            g.dbias[static_cast<std::size_t>((((pr.bias_b ? b : 0) * (pr.bias_h ? pr.H : 1) + (pr.bias_h ? h : 0)) * pr.Lq + i) * pr.Lk + j)] += sc * dS;
+        }
+      }
+    }
+  return g;
 }
 
 }  // namespace dfss::testing

@@ -41,8 +41,12 @@ struct problem {
   double scale = 0.0;             // 0: default 1/sqrt(d)
   bool bias_b = false, bias_h = false;  // bias present with a real batch / head dimension
   bool has_bias = false;
-  std::vector<std::int64_t> key_lengths;  // empty: none
+  std::vector<std::int64_t> key_lengths;  // empty: none (global positions, like the API's)
+  std::int64_t key_offset = 0;             // global position of key 0
+  std::vector<std::int64_t> query_offset;  // empty: default (key_offset + Lk - Lq)
+  std::int64_t sink = 0, recent = 0;       // sink_tokens, recent_tokens
   std::vector<double> q, k, v, bias, dout;
+  std::vector<double> dlse;                // empty: no LSE gradient (backward); else [B, H, Lq]
 
   std::int64_t q_numel() const { return B * Lq * H * d; }
   std::int64_t kv_numel() const { return B * Lk * Hkv * d; }
@@ -56,6 +60,13 @@ struct problem {
       << (has_bias ? (std::string("[") + (bias_b ? "B" : "1") + "," + (bias_h ? "H" : "1") + "]") : "")
       << " lens=";
     for (auto l : key_lengths) s << l << ',';
+    if (key_offset != 0) s << " key_offset=" << key_offset;
+    if (!query_offset.empty()) {
+      s << " query_offset=";
+      for (auto o : query_offset) s << o << ',';
+    }
+    if (sink != 0 || recent != 0) s << " sink=" << sink << " recent=" << recent;
+    if (!dlse.empty()) s << " dlse";
     s << " seed=" << test_seed();
     return s.str();
   }
@@ -80,6 +91,18 @@ inline void fill(problem& pr, std::mt19937_64& rng, bool integers = false) {
     std::uniform_int_distribution<int> pick(0, 6);
     for (auto& e : pr.bias)
       if (pick(rng) == 0) e = -kInf;
+  }
+}
+
+/// Keys and values [k0, k1) of @p pr (a key shard): sets @p part's Lk, k and v; the rest as it was.
+inline void take_keys(problem& part, const problem& pr, std::int64_t k0, std::int64_t k1) {
+  part.Lk = k1 - k0;
+  const std::int64_t row = pr.Hkv * pr.d;
+  part.k.clear(), part.v.clear();
+  for (std::int64_t b = 0; b < pr.B; ++b) {
+    const auto first = static_cast<std::ptrdiff_t>((b * pr.Lk + k0) * row), last = static_cast<std::ptrdiff_t>((b * pr.Lk + k1) * row);
+    part.k.insert(part.k.end(), pr.k.begin() + first, pr.k.begin() + last);
+    part.v.insert(part.v.end(), pr.v.begin() + first, pr.v.begin() + last);
   }
 }
 
@@ -125,6 +148,10 @@ inline naive_result naive_forward(const problem& pr) {
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t hk = h / (H / pr.Hkv);
       for (std::int64_t i = 0; i < Lq; ++i) {
+        const std::int64_t qpos = pr.query_offset.empty() ? pr.key_offset + Lk - Lq + i
+                                                           : pr.query_offset[static_cast<std::size_t>(b)] + i;
+        const std::int64_t len =
+            pr.key_lengths.empty() ? pr.key_offset + Lk : pr.key_lengths[static_cast<std::size_t>(b)];
         std::vector<double> s(static_cast<std::size_t>(Lk));
         for (std::int64_t j = 0; j < Lk; ++j) {
           double acc = 0;
@@ -135,12 +162,25 @@ inline naive_result naive_forward(const problem& pr) {
             const std::int64_t bb = pr.bias_b ? b : 0, hb = pr.bias_h ? h : 0;
             acc += pr.bias[static_cast<std::size_t>(((bb * (pr.bias_h ? H : 1) + hb) * Lq + i) * Lk + j)];
           }
-          const bool pad = !pr.key_lengths.empty() && j >= pr.key_lengths[static_cast<std::size_t>(b)];
-          const bool fut = pr.causal && j > i + (Lk - Lq);
+          // Positions are global: key j sits at key_offset + j, query row i at query_offset[b] + i.
+          const std::int64_t pos = pr.key_offset + j;
+          const bool pad = pos >= len;
+          const bool fut = pr.causal && pos > qpos;
           s[static_cast<std::size_t>(j)] = (pad || fut) ? -kInf : acc;
         }
         std::vector<unsigned char> keep(static_cast<std::size_t>(Lk), 0);
+        // The row's last visible key (global), -1 when it sees none.
+        const std::int64_t last = std::min(len - 1, pr.causal ? qpos : len - 1);
         for (std::int64_t g = 0; g < Lk; g += M) {
+          // Sink and recent windows: a group (M global positions) touching either is kept whole.
+          bool whole = false;
+          for (std::int64_t x = pr.key_offset + g; x < pr.key_offset + g + M; ++x) {
+            whole = whole || x < pr.sink || (pr.recent > 0 && last >= 0 && x <= last && x > last - pr.recent);
+          }
+          if (whole) {
+            for (std::int64_t j = g; j < std::min(g + M, Lk); ++j) keep[static_cast<std::size_t>(j)] = 1;
+            continue;
+          }
           std::vector<std::int64_t> idx;
           for (std::int64_t j = g; j < std::min(g + M, Lk); ++j) idx.push_back(j);
           std::stable_sort(idx.begin(), idx.end(), [&](std::int64_t a, std::int64_t c) {

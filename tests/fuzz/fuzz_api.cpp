@@ -388,6 +388,12 @@ decoded decode(FuzzedDataProvider& f) {
                                        -kInf, 1e30,   kFloatMax, 3.5e38, 1e300,     std::numeric_limits<double>::max()};
   c.cfg.scale = f.PickValueInArray(kScales);
   c.cfg.causal = f.ConsumeBool();
+  // Positions and windows (docs/semantics.md): mostly off, sometimes valid, sometimes not.
+  static constexpr std::int64_t kKeyOffsets[] = {0, 0, 0, 0, 4, 8, 16, 3, -4, INT64_MAX};
+  c.cfg.key_offset = f.PickValueInArray(kKeyOffsets);
+  static constexpr std::int64_t kWindows[] = {0, 0, 0, 0, 0, 1, 5, 64, -1, INT64_MAX};
+  c.cfg.sink_tokens = f.PickValueInArray(kWindows);
+  c.cfg.recent_tokens = f.PickValueInArray(kWindows);
   {
     const int v = f.ConsumeIntegral<std::uint8_t>();
     static constexpr int kThreads[] = {0, -1, INT_MIN, kMaxThreads, kMaxThreads + 1, INT_MAX};
@@ -459,7 +465,8 @@ std::string describe(const decoded& c) {
   std::ostringstream o;
   o << (c.backward ? "backward" : "forward") << " B=" << c.B << " H=" << c.H << " Hkv=" << c.Hkv << " Lq=" << c.Lq
     << " Lk=" << c.Lk << " d=" << c.d << " pattern=" << c.cfg.pattern.n << ":" << c.cfg.pattern.m
-    << " scale=" << c.cfg.scale << " causal=" << c.cfg.causal << " threads=" << c.cfg.num_threads
+    << " scale=" << c.cfg.scale << " causal=" << c.cfg.causal << " key_offset=" << c.cfg.key_offset
+    << " sink=" << c.cfg.sink_tokens << " recent=" << c.cfg.recent_tokens << " threads=" << c.cfg.num_threads
     << " backend=" << static_cast<int>(c.cfg.backend) << " isa=" << static_cast<int>(c.cfg.cpu_isa)
     << " algorithm=" << static_cast<int>(c.cfg.cpu_algorithm) << " specials=" << c.specials
     << " invalid lengths=" << c.lens_invalid << " seed=" << c.seed << "\n";
@@ -669,6 +676,17 @@ std::optional<std::string> clearly_invalid(const decoded& c, const std::vector<i
     return "a scale outside [FLT_MIN, FLT_MAX] for non-f64 inputs";
   }
   if (c.cfg.num_threads < 0 || c.cfg.num_threads > kMaxThreads) return "num_threads outside [0, 1024]";
+  if (c.cfg.key_offset < 0 || c.cfg.key_offset % pat.m != 0 || c.cfg.key_offset > (i64{1} << 62) - t[K].shape[1]) {
+    return "a key_offset that is negative, not a multiple of M or past 2^62";
+  }
+  if (c.cfg.sink_tokens < 0 || c.cfg.recent_tokens < 0 || c.cfg.sink_tokens > (i64{1} << 62) ||
+      c.cfg.recent_tokens > (i64{1} << 62)) {
+    return "a negative (or huge) sink or recent window";
+  }
+  if ((c.cfg.sink_tokens > 0 || c.cfg.recent_tokens > 0) && c.cfg.cpu_algorithm == dfss::cpu_algorithm::three_stage &&
+      (c.cfg.backend == dfss::backend::cpu || c.cfg.backend == dfss::backend::automatic)) {
+    return "sink or recent windows with the three-stage pipeline";
+  }
   if (c.cfg.cpu_algorithm != dfss::cpu_algorithm::fused && c.cfg.cpu_algorithm != dfss::cpu_algorithm::three_stage) {
     return "an unknown cpu_algorithm";
   }
@@ -684,7 +702,7 @@ std::optional<std::string> clearly_invalid(const decoded& c, const std::vector<i
   if (t[LENS].present && (t[LENS].type == dtype::i32 || t[LENS].type == dtype::i64) &&
       t[LENS].shape[0] == t[Q].shape[0]) {
     for (i64 len : lens)
-      if (len < 0 || len > t[K].shape[1]) return "a key length outside [0, Lk]";
+      if (len < 0 || len > (i64{1} << 62)) return "a key length outside [0, 2^62] (global positions)";
   }
   return std::nullopt;
 }
@@ -1001,6 +1019,10 @@ void run(decoded& c) {
       t[BIAS].present ? static_cast<double>((t[BIAS].shape[0] == 1 ? B : 1) * (t[BIAS].shape[1] == 1 ? H : 1)) : 0;
   // dV_j sums T terms P dO, each at most max|dO|.
   compare(c, DV, rdv.f, product({64 + T, e, A, T, Dm}), "(64 + T) e A T max|dO|");
+  // The fp32 kernels sum terms scale dS k (up to scale 2G max|k| each) whose running sum may pass
+  // float max before cancelling to a representable gradient: near float max the gradients carry
+  // no promise (docs/testing.md, "Fuzzing").
+  if (tq.type != dtype::f64 && product({Lk + T, scale, 2 * G, std::max(Km, Qm * T)}) > kFloatMax) return;
   // dS = P (dP - D) is at most 2 G per unit of probability; dQ_i = scale sum_j dS_ij k_j with
   // sum_j P_ij = 1; dK_j sums T rows; dBias sums C broadcast copies of scale dS.
   compare(c, DQ, rdq.f, product({64 + Lk + d, e, A, scale, 2 * G, Km}), "(64 + Lk + d) e A scale 2G max|k|");

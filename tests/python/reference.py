@@ -36,8 +36,11 @@ def select(scores, n, m):
     return keep.reshape(*keep.shape[:-2], groups * m)[..., :lk]
 
 
-def reference_attention(q, k, v, pattern="2:4", causal=False, scale=None, key_lengths=None, bias=None):
-    """q [B, Lq, H, d], k and v [B, Lk, Hkv, d] -> (out [B, Lq, H, d], lse [B, H, Lq]), float64."""
+def reference_attention(q, k, v, pattern="2:4", causal=False, scale=None, key_lengths=None, bias=None,
+                        key_offset=0, query_offset=None, sink_tokens=0, recent_tokens=0):
+    """q [B, Lq, H, d], k and v [B, Lk, Hkv, d] -> (out [B, Lq, H, d], lse [B, H, Lq]), float64.
+    Positions are global: key j at key_offset + j, query row i at query_offset[b] + i (default
+    key_offset + Lk - Lq); key lengths count global positions."""
     n, m = parse_pattern(pattern)
     q, k, v = q.double(), k.double(), v.double()
     bsz, lq, h, d = q.shape
@@ -47,15 +50,27 @@ def reference_attention(q, k, v, pattern="2:4", causal=False, scale=None, key_le
     s = torch.einsum("bihd,bjhd->bhij", q, k)
     if bias is not None:
         s = s + bias.double()
-    i = torch.arange(lq).view(lq, 1)
-    j = torch.arange(lk).view(1, lk)
-    visible = torch.ones(bsz, 1, lq, lk, dtype=torch.bool)
-    if key_lengths is not None:
-        visible = visible & (j.view(1, 1, 1, lk) < key_lengths.view(bsz, 1, 1, 1).long())
+    i = torch.arange(lq).view(1, lq, 1)
+    kpos = key_offset + torch.arange(lk).view(1, 1, lk)
+    q0 = (query_offset.long().view(bsz, 1, 1) if query_offset is not None
+          else torch.full((bsz, 1, 1), key_offset + lk - lq))
+    qpos = q0 + i                                                     # [B, Lq, 1]
+    length = (key_lengths.long().view(bsz, 1, 1) if key_lengths is not None
+              else torch.full((bsz, 1, 1), key_offset + lk))
+    visible = kpos < length
     if causal:
-        visible = visible & (j <= i + (lk - lq)).view(1, 1, lq, lk)
-    s = s.masked_fill(~visible, -math.inf)
+        visible = visible & (kpos <= qpos)
+    s = s.masked_fill(~visible.unsqueeze(1), -math.inf)
     keep = select(s.detach(), n, m)
+    if sink_tokens or recent_tokens:
+        # A group (M global positions from its start) touching [0, sink) or (last - recent, last] is
+        # kept whole; last = the row's last visible position.
+        last = torch.minimum(length - 1, qpos) if causal else (length - 1).expand(bsz, lq, 1)
+        start = key_offset + (torch.arange(lk) // m * m).view(1, 1, lk)
+        whole = start < sink_tokens
+        if recent_tokens:
+            whole = whole | ((last >= 0) & (start <= last) & (start + m - 1 > last - recent_tokens))
+        keep = keep | whole.unsqueeze(1)
     kept = s.masked_fill(~keep, -math.inf)
     empty = ~(kept.detach() > -math.inf).any(dim=-1) & ~torch.isnan(kept.detach()).any(dim=-1)
     scale = 1.0 / math.sqrt(d) if scale is None else scale

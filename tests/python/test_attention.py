@@ -183,12 +183,65 @@ def test_non_contiguous_inputs():
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
 
 
-def test_lse_has_no_gradient():
-    q = torch.randn(1, 4, 2, 8, requires_grad=True)
-    out, lse = torch.ops.dfss.attention(q, q.detach(), q.detach())
-    assert out.requires_grad and not lse.requires_grad
-    with pytest.raises(RuntimeError, match="does not require grad"):
-        lse.sum().backward()
+def test_lse_is_differentiable():
+    # d LSE / d (scale s_j) = P_j: the gradient through the LSE (alone, and with the output's).
+    q, k, v, kl, _ = make_inputs((2, 6, 11, 4, 2, 8), key_lengths=True, empty_row=True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, lse = torch.ops.dfss.attention(q, k, v, "2:4", True, None, kl)
+    ref, ref_lse = reference_attention(q, k, v, "2:4", True, None, kl)
+    w = torch.randn_like(lse)
+    for loss, ref_loss in ((lse.masked_fill(lse.isinf(), 0) * w).sum(), (ref_lse.masked_fill(ref_lse.isinf(), 0) * w).sum()), \
+            ((out * 0.5).sum() + (lse.masked_fill(lse.isinf(), 0) * w).sum(), (ref * 0.5).sum() + (ref_lse.masked_fill(ref_lse.isinf(), 0) * w).sum()):
+        got = torch.autograd.grad(loss, (q, k, v), retain_graph=True)
+        want = torch.autograd.grad(ref_loss, (q, k, v), allow_unused=True, retain_graph=True)  # the LSE alone ignores v
+        for g, wt, t in zip(got, want, (q, k, v)):
+            torch.testing.assert_close(g, torch.zeros_like(t) if wt is None else wt, rtol=1e-9, atol=1e-11)
+
+
+POSITION_CASES = [
+    # a decode step against a padded cache: per-sequence lengths and positions, windows
+    dict(causal=True, key_offset=8, key_lengths=[40, 25], query_offset=[37, 22], sink_tokens=3, recent_tokens=6),
+    # a shard of a longer sequence: lengths past the keys, queries after them
+    dict(causal=True, key_offset=16, key_lengths=[90, 30], query_offset=[80, 27], recent_tokens=9),
+    # no causal mask: the recent window ends at each sequence's last key
+    dict(causal=False, key_offset=4, key_lengths=[20, 4], sink_tokens=9, recent_tokens=3),
+]
+
+
+@pytest.mark.parametrize("case", POSITION_CASES)
+@pytest.mark.parametrize("pattern", ["2:4", "1:2", "dense"])
+def test_positions_and_windows_match_reference(case, pattern):
+    q, k, v, _, _ = make_inputs((2, 3, 29, 4, 2, 8))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    kw = dict(case)
+    causal = kw.pop("causal")
+    kl = torch.tensor(kw.pop("key_lengths"))
+    qo = kw.pop("query_offset", None)
+    qo = None if qo is None else torch.tensor(qo, dtype=torch.int32)
+    out, lse = dfss.attention(q, k, v, is_causal=causal, pattern=pattern, key_lengths=kl, query_offset=qo,
+                              layout="blhd", return_lse=True, **kw)
+    ref, ref_lse = reference_attention(q, k, v, pattern, causal, None, kl, None, query_offset=qo, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    w = torch.randn_like(out)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, rtol=1e-9, atol=1e-11)
+
+
+def test_position_arguments_are_checked():
+    q = torch.randn(2, 3, 2, 8)
+    with pytest.raises(ValueError, match="key_offset.*multiple of M = 4.*got 3"):
+        torch.ops.dfss.attention(q, q, q, key_offset=3)
+    with pytest.raises(ValueError, match="query_offset.*int32 or int64"):
+        torch.ops.dfss.attention(q, q, q, query_offset=torch.zeros(2))
+    with pytest.raises(ValueError, match="query_offset.*batch"):
+        torch.ops.dfss.attention(q, q, q, query_offset=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="sink_tokens.*got -2"):
+        torch.ops.dfss.attention(q, q, q, sink_tokens=-2)
 
 
 def test_empty_rows_and_no_keys():

@@ -27,7 +27,7 @@ def op(q, k, v, **kw):
     (lambda q, k, v: op(q, k, v, scale=-1.0), ValueError, r"argument 'scale': expected a finite value > 0"),
     (lambda q, k, v: op(q, k, v, key_lengths=torch.tensor([7.0, 1.0])), ValueError, r"argument 'key_lengths': expected dtype int32 or int64, got float32"),
     (lambda q, k, v: op(q, k, v, key_lengths=torch.tensor([7])), ValueError, r"argument 'key_lengths': expected shape\[0\] \(batch\) == 2, got 1"),
-    (lambda q, k, v: op(q, k, v, key_lengths=torch.tensor([8, 1])), ValueError, r"argument 'key_lengths': expected values in \[0, seqlen_k = 7\], got 8"),
+    (lambda q, k, v: op(q, k, v, key_lengths=torch.tensor([-8, 1])), ValueError, r"argument 'key_lengths': expected values in \[0, 4611686018427387904\].*got -8 at index 0"),
     (lambda q, k, v: op(q, k, v, attn_bias=torch.randn(2, 3, 5, 7)), ValueError, r"argument 'attn_bias': expected shape\[1\] \(heads or 1\) == 4, got 3"),
     (lambda q, k, v: op(q, k, v, attn_bias=torch.randn(5, 7)), ValueError, r"argument 'attn_bias': expected 4 dimensions"),
     (lambda q, k, v: dfss.attention(q, k, v, dropout_p=0.1), ValueError, r"argument 'dropout_p': expected 0.0"),

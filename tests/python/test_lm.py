@@ -169,6 +169,26 @@ def test_a_short_document_is_evaluated_alone(pattern):
     assert abs(joined["bits"] - both["bits"]) > 1e-3
 
 
+def test_attention_specs_with_windows():
+    assert lm_train.parse_attention("2:4") == ("2:4", {})
+    assert lm_train.parse_attention("1:2+sink16+recent64") == ("1:2", {"sink_tokens": 16, "recent_tokens": 64})
+    with pytest.raises(ValueError, match="sinkN"):
+        lm_train.parse_attention("2:4+window8")
+    cfg = dict(lm_train.DEFAULTS, layers=2, dim=32, heads=2, kv_heads=1, ffn=64, ctx=32)
+    torch.manual_seed(0)
+    model = lm_train.ByteLM(cfg)
+    tokens = torch.randint(0, 256, (2, 32))
+    logits = {}
+    with torch.no_grad():
+        for spec in ("dense", "2:4", "2:4+sink32", "2:4+recent32", "2:4+sink4+recent8"):
+            model.pattern = spec
+            logits[spec] = model(tokens)
+    # Windows covering the whole context keep every group whole: dense attention.
+    torch.testing.assert_close(logits["2:4+sink32"], logits["dense"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["2:4+recent32"], logits["dense"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits["2:4+sink4+recent8"], logits["2:4"], atol=1e-6)
+
+
 # ---------------------------------------------------------------- bootstrap
 
 def synthetic_pairs(seed, docs=150, delta=0.02):

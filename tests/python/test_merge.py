@@ -129,3 +129,29 @@ def test_dfss_over_key_shards_merges_exactly(pattern):
     out, lse = dfss.merge_attention_states(parts)
     torch.testing.assert_close(out, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, whole_lse.double(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("pattern", ["1:2", "2:4"])
+def test_causal_shards_with_positions_merge_exactly_forward_and_backward(pattern):
+    # Each shard passes its key_offset and the whole sequence's key lengths and query positions;
+    # gradients flow through the merge and the shards' LSEs to q, k and v.
+    m = {"1:2": 2, "2:4": 4}[pattern]
+    B, H, Hkv, Lq, Lk, d = 2, 4, 2, 5, 46, 8
+    q = torch.randn(B, H, Lq, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, d, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor([Lk - 5, 30])
+    qoff = lengths - Lq
+    kw = dict(pattern=pattern, is_causal=True, key_lengths=lengths, query_offset=qoff, sink_tokens=3,
+              recent_tokens=7, return_lse=True)
+    whole, whole_lse = dfss.attention(q, k, v, **kw)
+    w = torch.randn_like(whole)
+    want = torch.autograd.grad((whole * w).sum(), (q, k, v))
+    cuts = [0, 3 * m, 7 * m, Lk]
+    parts = [dfss.attention(q, k[:, :, k0:k1], v[:, :, k0:k1], key_offset=k0, **kw) for k0, k1 in zip(cuts, cuts[1:])]
+    out, lse = dfss.merge_attention_states(parts)
+    torch.testing.assert_close(out, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, whole_lse.double(), rtol=0, atol=1e-12)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, rtol=1e-9, atol=1e-11)

@@ -34,14 +34,17 @@ def _config(kind, **extra):
 
 
 def _models(kind, names, dtype=torch.float64, **extra):
-    """One random model per attention implementation in `names`, all with the same weights."""
-    cfg = _config(kind, **extra)
-    first = AutoModelForCausalLM.from_config(cfg, attn_implementation=names[0], dtype=dtype).eval()
+    """One random model per attention implementation in `names`, all with the same weights. Each model
+    gets its own config: from_config records the implementation in the config object it is given,
+    so models sharing one would all run the last name."""
+    first = AutoModelForCausalLM.from_config(_config(kind, **extra), attn_implementation=names[0], dtype=dtype).eval()
     models = [first]
     for name in names[1:]:
-        m = AutoModelForCausalLM.from_config(cfg, attn_implementation=name, dtype=dtype).eval()
+        m = AutoModelForCausalLM.from_config(_config(kind, **extra), attn_implementation=name, dtype=dtype).eval()
         m.load_state_dict(first.state_dict())
         models.append(m)
+    for m, name in zip(models, names):
+        assert m.config._attn_implementation == name, (m.config._attn_implementation, name)
     return models
 
 
@@ -272,10 +275,8 @@ def test_register_arguments():
     assert dfss.transformers.register("dfss-test-1:2", pattern="1:2") == "dfss-test-1:2"
     assert "dfss-test-1:2" in transformers.AttentionInterface()
     assert "dfss-test-1:2" in masking_utils.AttentionMaskInterface()
-    with pytest.raises(NotImplementedError, match="sink_tokens.*not implemented"):
-        dfss.transformers.register("x", sink_tokens=4)
-    with pytest.raises(NotImplementedError, match="recent_tokens.*not implemented"):
-        dfss.transformers.register("x", recent_tokens=64)
+    with pytest.raises(ValueError, match="recent_tokens"):
+        dfss.transformers.register("x", recent_tokens=1.5)
     with pytest.raises(ValueError, match="sink_tokens"):
         dfss.transformers.register("x", sink_tokens=-1)
     with pytest.raises(ValueError, match="pattern"):
@@ -328,3 +329,21 @@ def test_torch_compile_static_cache_generation():
     got = dense.generate(ids, **kw)
     assert torch.equal(got, want)
     assert counters["stats"]["unique_graphs"] == 2  # prefill and decode: no re-trace per position
+
+
+def test_sink_and_recent_windows():
+    # Windows that cover every key make 2:4 dense attention; small ones change the result and keep
+    # decode against the cache equal to one causal forward.
+    everything = dfss.transformers.register("dfss-test-windows-all", pattern="2:4", sink_tokens=256,
+                                            recent_tokens=256)
+    small = dfss.transformers.register("dfss-test-windows", pattern="2:4", sink_tokens=4, recent_tokens=8)
+    dense, full, windows, plain = _models("llama", [DENSE, everything, small, SPARSE])
+    ids = _ids(2, 29)
+    with torch.no_grad():
+        torch.testing.assert_close(full(ids).logits, dense(ids).logits, rtol=1e-10, atol=1e-10)
+        w, p = windows(ids).logits, plain(ids).logits
+    assert not torch.allclose(w, p, atol=1e-6)
+    seq, logits = _generate(windows, ids[:, :13], torch.ones(2, 13, dtype=torch.long))
+    with torch.no_grad():
+        want = windows(seq[:, :-1]).logits[:, 12:]
+    torch.testing.assert_close(logits, want.to(logits.dtype), rtol=1e-6, atol=1e-6)

@@ -15,6 +15,46 @@ bool semantics_visible(bool causal, std::int64_t lq, std::int64_t lk, std::int64
   return j < len && (!causal || j <= i + lk - lq);
 }
 
+/// docs/semantics.md, "Positions" and "Sink and recent windows", literally: global key position x
+/// is visible to the query at global position qpos iff x < len and (not causal or x <= qpos); the
+/// aligned group [g, g + M) is kept whole iff one of its positions is < sink or in (p - recent, p],
+/// p the row's last visible position.
+TEST(Mask, PositionsAndWholeGroupsMatchTheSemanticsPage) {
+  int rows = 0;
+  for (const bool causal : {false, true})
+    for (std::int64_t m : {1, 2, 4})
+      for (std::int64_t ko = 0; ko <= 8; ko += m)
+        for (std::int64_t lk = 0; lk <= 7; ++lk)
+          for (std::int64_t len = 0; len <= 18; len += 3)
+            for (std::int64_t qpos = 0; qpos <= 18; qpos += 2)
+              for (std::int64_t sink = 0; sink <= 5; sink += 5)
+                for (std::int64_t recent = 0; recent <= 6; recent += 3) {
+                  const std::string where = "causal " + std::to_string(causal) + " M " + std::to_string(m) + " ko " +
+                                            std::to_string(ko) + " Lk " + std::to_string(lk) + " len " +
+                                            std::to_string(len) + " qpos " + std::to_string(qpos) + " sink " +
+                                            std::to_string(sink) + " recent " + std::to_string(recent);
+                  const auto vis = [&](std::int64_t x) { return x < len && (!causal || x <= qpos); };
+                  std::int64_t last = -1;
+                  for (std::int64_t x = 0; x < 40; ++x)
+                    if (vis(x)) last = x;
+                  const std::int64_t gend = dfss::mask::global_visible_end(causal, len, qpos);
+                  EXPECT_EQ(gend, last + 1) << where;
+                  std::int64_t count = 0;
+                  for (std::int64_t j = 0; j < lk; ++j) count += vis(ko + j) ? 1 : 0;
+                  EXPECT_EQ(dfss::mask::local_end(gend, ko, lk), count) << where;
+                  const auto w = dfss::mask::whole_groups_of(sink, recent, m, ko, lk, gend);
+                  for (std::int64_t g = 0; g < lk; g += m) {
+                    bool whole = false;
+                    for (std::int64_t x = ko + g; x < ko + g + m; ++x) {
+                      whole = whole || x < sink || (recent > 0 && last >= 0 && x <= last && x > last - recent);
+                    }
+                    EXPECT_EQ(dfss::mask::group_is_whole(w, g), whole) << where << " group " << g;
+                  }
+                  ++rows;
+                }
+  EXPECT_GT(rows, 10000);  // the loops ran
+}
+
 TEST(Mask, MatchesTheSemanticsPageOnEverySmallShape) {
   int rows = 0;
   for (const bool causal : {false, true}) {

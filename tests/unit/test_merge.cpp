@@ -210,14 +210,7 @@ TEST(Merge, RefusesOverlapsAndBadArgumentsBeforeWriting) {
 /// Inputs of a split: keys [k0, k1) of @p pr, with each batch's key length cut to the part.
 problem key_part(const problem& pr, std::int64_t k0, std::int64_t k1) {
   problem part = pr;
-  part.Lk = k1 - k0;
-  const std::int64_t row = pr.Hkv * pr.d;
-  part.k.clear(), part.v.clear();
-  for (std::int64_t b = 0; b < pr.B; ++b) {
-    const auto first = static_cast<std::ptrdiff_t>((b * pr.Lk + k0) * row), last = static_cast<std::ptrdiff_t>((b * pr.Lk + k1) * row);
-    part.k.insert(part.k.end(), pr.k.begin() + first, pr.k.begin() + last);
-    part.v.insert(part.v.end(), pr.v.begin() + first, pr.v.begin() + last);
-  }
+  take_keys(part, pr, k0, k1);
   for (std::int64_t b = 0; b < static_cast<std::int64_t>(pr.key_lengths.size()); ++b) {
     const std::int64_t len = pr.key_lengths[static_cast<std::size_t>(b)];
     part.key_lengths[static_cast<std::size_t>(b)] = std::clamp<std::int64_t>(len - k0, 0, k1 - k0);

@@ -256,54 +256,6 @@ TEST(Reference, NaNPropagatesToAffectedRowsOnly) {
     EXPECT_EQ(std::isnan(r2.o[static_cast<std::size_t>(i * 3 + 1)]), naive.keep[static_cast<std::size_t>(i * 8 + 5)] == 1) << i;
 }
 
-/// Independent backward in matrix form from the naive forward's keep mask:
-/// P dense with zeros where pruned, then the formulas of docs/semantics.md.
-backward_result naive_backward(const problem& pr) {
-  const auto f = naive_forward(pr);
-  backward_result g;
-  g.dq.assign(static_cast<std::size_t>(pr.q_numel()), 0.0);
-  g.dk.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
-  g.dv.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
-  g.dbias.assign(pr.has_bias ? static_cast<std::size_t>(pr.bias_numel()) : 0, 0.0);
-  const double sc = pr.resolved_scale();
-  const auto d = pr.d;
-  auto Q = [&](auto b, auto i, auto h, auto c) { return static_cast<std::size_t>(((b * pr.Lq + i) * pr.H + h) * d + c); };
-  auto K = [&](auto b, auto j, auto h, auto c) { return static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + h) * d + c); };
-  for (std::int64_t b = 0; b < pr.B; ++b)
-    for (std::int64_t h = 0; h < pr.H; ++h) {
-      const std::int64_t hk = h / (pr.H / pr.Hkv);
-      for (std::int64_t i = 0; i < pr.Lq; ++i) {
-        const double lse = f.lse[static_cast<std::size_t>((b * pr.H + h) * pr.Lq + i)];
-        if (lse == -kInf) continue;
-        std::vector<double> P(static_cast<std::size_t>(pr.Lk), 0.0), dP(static_cast<std::size_t>(pr.Lk), 0.0);
-        double D = 0;
-        for (std::int64_t c = 0; c < d; ++c) D += pr.dout[Q(b, i, h, c)] * f.o[Q(b, i, h, c)];
-        for (std::int64_t j = 0; j < pr.Lk; ++j) {
-          if (!f.keep[static_cast<std::size_t>(((b * pr.H + h) * pr.Lq + i) * pr.Lk + j)]) continue;
-          double s = 0;
-          for (std::int64_t c = 0; c < d; ++c) s += pr.q[Q(b, i, h, c)] * pr.k[K(b, j, hk, c)];
-          if (pr.has_bias)
-            s += pr.bias[static_cast<std::size_t>((((pr.bias_b ? b : 0) * (pr.bias_h ? pr.H : 1) + (pr.bias_h ? h : 0)) * pr.Lq + i) * pr.Lk + j)];
-          const bool masked = (!pr.key_lengths.empty() && j >= pr.key_lengths[static_cast<std::size_t>(b)]) ||
-                              (pr.causal && j > i + (pr.Lk - pr.Lq));
-          P[static_cast<std::size_t>(j)] = (masked || std::isinf(s)) ? 0.0 : std::exp(sc * s - lse);
-          for (std::int64_t c = 0; c < d; ++c) dP[static_cast<std::size_t>(j)] += pr.dout[Q(b, i, h, c)] * pr.v[K(b, j, hk, c)];
-        }
-        for (std::int64_t j = 0; j < pr.Lk; ++j) {
-          const double dS = P[static_cast<std::size_t>(j)] * (dP[static_cast<std::size_t>(j)] - D);
-          for (std::int64_t c = 0; c < d; ++c) {
-            g.dq[Q(b, i, h, c)] += sc * dS * pr.k[K(b, j, hk, c)];
-            g.dk[K(b, j, hk, c)] += sc * dS * pr.q[Q(b, i, h, c)];
-            g.dv[K(b, j, hk, c)] += P[static_cast<std::size_t>(j)] * pr.dout[Q(b, i, h, c)];
-          }
-          if (pr.has_bias)
-            g.dbias[static_cast<std::size_t>((((pr.bias_b ? b : 0) * (pr.bias_h ? pr.H : 1) + (pr.bias_h ? h : 0)) * pr.Lq + i) * pr.Lk + j)] += sc * dS;
-        }
-      }
-    }
-  return g;
-}
-
 TEST(Reference, BackwardMatchesMatrixFormulation) {
   std::mt19937_64 rng(test_seed() + 6);
   for (const auto& pr : awkward_shapes(rng)) {

@@ -101,7 +101,14 @@ void add_attention_command(CLI::App& app, attention_options& o) {
   c->add_option("--pattern", o.pattern, "N:M pattern, e.g. 2:4, 1:2, 3:8, or dense")->capture_default_str();
   c->add_flag("--causal", o.causal, "bottom-right aligned causal mask");
   c->add_option("--scale", o.scale, "softmax scale (default 1/sqrt(d))");
-  c->add_option("--key-lengths", o.key_lengths, "valid keys per batch [B] (int32 or int64)");
+  c->add_option("--key-lengths", o.key_lengths, "valid keys per batch [B] (int32 or int64), in global positions");
+  c->add_option("--key-offset", o.key_offset,
+                "global position of key 0, a multiple of M (the keys are a shard of a longer sequence)");
+  c->add_option("--query-offset", o.query_offset,
+                "global position of query row 0 per batch [B] (int32 or int64; default key offset + Lk - Lq)");
+  c->add_option("--sink-tokens", o.sink_tokens, "keep whole every group touching the first N keys (fused kernels)");
+  c->add_option("--recent-tokens", o.recent_tokens,
+                "keep whole every group touching a row's last N visible keys (fused kernels)");
   c->add_option("--bias", o.bias, "additive bias [B or 1, H or 1, Lq, Lk] (leading 1s may be omitted)");
   c->add_option("--backend", o.backend, "automatic, reference, cpu or cuda")->capture_default_str();
   c->add_option("--threads", o.threads, "worker threads (0: all)");
@@ -128,6 +135,9 @@ int run_attention(const attention_options& o) {
     cfg.backend = parse_backend(o.backend, "--backend");
     cfg.scale = o.scale;
     cfg.causal = o.causal;
+    cfg.key_offset = o.key_offset;
+    cfg.sink_tokens = o.sink_tokens;
+    cfg.recent_tokens = o.recent_tokens;
     cfg.num_threads = o.threads;
     cfg.cpu_algorithm = parse_cpu_algorithm(o.algorithm, "--algorithm");
     cfg.cpu_isa = parse_cpu_isa(o.isa, "--isa");
@@ -149,6 +159,7 @@ int run_attention(const attention_options& o) {
     // Every file read and written. Nothing is written before every input is loaded and checked and
     // the forward and backward passes have succeeded; then all outputs are replaced together.
     const flagged_path q_in{"--q", o.q}, k_in{"--k", o.k}, v_in{"--v", o.v}, lens_in{"--key-lengths", o.key_lengths},
+        qoff_in{"--query-offset", o.query_offset},
         bias_in{"--bias", o.bias}, dout_in{"--dout", o.dout};
     const flagged_path out_at{"--out", o.out}, lse_at{"--lse", o.lse}, dq_at{"--dq", o.dq}, dk_at{"--dk", o.dk},
         dv_at{"--dv", o.dv}, dbias_at{"--dbias", o.dbias},
@@ -158,6 +169,7 @@ int run_attention(const attention_options& o) {
     const bool hw_pattern = (cfg.pattern.n == 1 && cfg.pattern.m == 2) || (cfg.pattern.n == 2 && cfg.pattern.m == 4);
     std::vector<flagged_path> inputs{q_in, k_in, v_in}, outputs{out_at};
     if (!o.key_lengths.empty()) inputs.push_back(lens_in);
+    if (!o.query_offset.empty()) inputs.push_back(qoff_in);
     if (!o.bias.empty()) inputs.push_back(bias_in);
     if (backward) inputs.push_back(dout_in);
     if (!o.lse.empty()) outputs.push_back(lse_at);
@@ -203,7 +215,7 @@ int run_attention(const attention_options& o) {
       return fail(v_in.str() + ": expected the shape of --k " + shape_str(k.shape) + ", got " + shape_str(v.shape));
     }
 
-    npy::array lens, bias, dout;
+    npy::array lens, qoff, bias, dout;
     std::vector<std::int64_t> bias_file_shape;
     if (!o.key_lengths.empty()) {
       lens = load(lens_in);
@@ -213,6 +225,16 @@ int run_attention(const attention_options& o) {
       if (lens.shape != std::vector<std::int64_t>{B}) {
         return fail(lens_in.str() + ": expected shape [B] = [" + std::to_string(B) + "], got " +
                     shape_str(lens.shape));
+      }
+    }
+    if (!o.query_offset.empty()) {
+      qoff = load(qoff_in);
+      if (qoff.type != dtype::i32 && qoff.type != dtype::i64) {
+        return fail(qoff_in.str() + ": expected int32 or int64 data, got " + dtype_name(qoff.type));
+      }
+      if (qoff.shape != std::vector<std::int64_t>{B}) {
+        return fail(qoff_in.str() + ": expected shape [B] = [" + std::to_string(B) + "], got " +
+                    shape_str(qoff.shape));
       }
     }
     if (!o.bias.empty()) {
@@ -255,6 +277,7 @@ int run_attention(const attention_options& o) {
     fa.k = view_of(k);
     fa.v = view_of(v);
     if (!o.key_lengths.empty()) fa.key_lengths = view_of(lens);
+    if (!o.query_offset.empty()) fa.query_offset = view_of(qoff);
     if (!o.bias.empty()) fa.bias = view_of(bias);
     npy::array out = make_output(out_at, out_type, q.shape);
     fa.out = view_of(out);
@@ -278,6 +301,7 @@ int run_attention(const attention_options& o) {
     npy::array dq, dk, dv, dbias;
     if (backward) {
       ba.q = fa.q, ba.k = fa.k, ba.v = fa.v, ba.bias = fa.bias, ba.key_lengths = fa.key_lengths;
+      ba.query_offset = fa.query_offset;
       ba.out = fa.out;
       ba.dout = view_of(dout);
       dq = make_output(dq_at, out_type, q.shape);

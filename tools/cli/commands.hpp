@@ -17,8 +17,9 @@ inline constexpr int kExitBadInput = 2;
 
 /// Options of `dfss attention`.
 struct attention_options {
-  std::string q, k, v, out, lse, key_lengths, bias;
+  std::string q, k, v, out, lse, key_lengths, bias, query_offset;
   std::string dout, dq, dk, dv, dbias;
+  long long key_offset = 0, sink_tokens = 0, recent_tokens = 0;  ///< positions and dense windows
   std::string pattern = "2:4";
   std::string backend = "automatic";
   double scale = 0.0;

@@ -7,7 +7,8 @@ only (hand-written SVG, as summarize.py).
 Usage: lm_report.py RESULTS_DIR [--svg docs/lm_finetune.svg] [--boot 10000] [--seed 0] > table.md
 
 RESULTS_DIR is run_lm.sh's OUT_DIR: dense/, ft-2-4/, ft-1-2/, control/, scratch-2-4/, scratch-1-2/
-(each with log.json) and their test evaluations *-eval.json (lm_train.py eval --out); runs not there
+(each with log.json) and their test evaluations *-eval.json (lm_train.py eval --out), and
+dense-windows-eval.json (the dense model under DFSS with sink and recent windows); runs not there
 show as "not run".
 
 The interval: every run is evaluated on the same test documents, so a difference between two runs is
@@ -97,7 +98,11 @@ ROWS = [("dense", "dense", "dense-trained"),
         ("ft-1-2", "1:2", "dense-trained + DFSS finetuning"),
         ("ft-2-4", "2:4", "dense-trained + DFSS finetuning"),
         ("scratch-1-2", "1:2", "DFSS-trained from scratch"),
-        ("scratch-2-4", "2:4", "DFSS-trained from scratch")]
+        ("scratch-2-4", "2:4", "DFSS-trained from scratch"),
+        ("dense-windows", "1:2+sink16+recent64", "dense-trained, no finetuning, dense sink 16 + recent 64"),
+        ("dense-windows", "2:4+sink16+recent64", "dense-trained, no finetuning, dense sink 16 + recent 64")]
+# Runs that are the dense model evaluated another way (no training steps of their own).
+DENSE_MODEL = ("dense", "dense-windows")
 
 
 def check_paired(ref: Dict, other: Dict, what: str) -> None:
@@ -123,11 +128,11 @@ def table(runs: Runs, boot: int, seed: int) -> str:
            "|---|---|---|---|---|---|---|"]
     for name, pattern, what in ROWS:
         r, log = runs.result(name, pattern), runs.log(name)
-        label = "dense" if pattern == "dense" else f"DFSS {pattern}"
+        label = "dense" if pattern == "dense" else f"DFSS {pattern.split('+')[0]}"
         if r is None:
             out.append(f"| {what} | {label} | not run | | | | |")
             continue
-        steps = "0" if name == "dense" and pattern != "dense" else str(log["steps_done"]) if log else "?"
+        steps = "0" if name in DENSE_MODEL and pattern != "dense" else str(log["steps_done"]) if log else "?"
         if log and log["config"].get("init") and dense_log:
             steps += f" ({100 * log['steps_done'] / dense_log['steps_done']:.0f}% of dense)"
         vs = []
@@ -138,7 +143,7 @@ def table(runs: Runs, boot: int, seed: int) -> str:
             check_paired(ref, r, f"{name} ({pattern})")
             vs.append(paired_bootstrap([d["bits"] for d in ref["docs"]], [d["bits"] for d in r["docs"]],
                                        [d["bytes"] for d in r["docs"]], boot, seed))
-        wall = f"{log['seconds'] / 60:.1f} min" if log and not (name == "dense" and pattern != "dense") else "-"
+        wall = f"{log['seconds'] / 60:.1f} min" if log and not (name in DENSE_MODEL and pattern != "dense") else "-"
         out.append(f"| {what} | {label} | {steps} | {r['bpb']:.4f} | {cell(vs[0])} | {cell(vs[1])} | {wall} |")
     return "\n".join(out)
 
@@ -153,7 +158,7 @@ def position_table(runs: Runs) -> str:
         if r is None:
             continue
         vals = by_position(r, buckets)
-        out.append(f"| {what} | {'dense' if pattern == 'dense' else 'DFSS ' + pattern} | "
+        out.append(f"| {what} | {'dense' if pattern == 'dense' else 'DFSS ' + pattern.split('+')[0]} | "
                    + " | ".join("-" if v is None else f"{v:.4f}" for v in vals) + " |")
     return "\n".join(out)
 

@@ -95,6 +95,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
 
 
+def parse_attention(spec: str) -> Tuple[str, Dict[str, int]]:
+    """An attention spec: a pattern ("dense", "2:4", ...), optionally with dense windows appended as
+    "+sinkN" and "+recentN" (docs/semantics.md, "Sink and recent windows"), e.g. "2:4+sink16+recent64".
+    Returns the pattern and the dfss.attention keyword arguments of the windows (none when absent,
+    so that a dfss build without windows still runs plain patterns)."""
+    pattern, *parts = spec.split("+")
+    windows: Dict[str, int] = {}
+    for part in parts:
+        for name, key in (("sink", "sink_tokens"), ("recent", "recent_tokens")):
+            if part.startswith(name) and part[len(name):].isdigit():
+                windows[key] = int(part[len(name):])
+                break
+        else:
+            raise ValueError(f"lm_train: attention {spec!r}: expected PATTERN[+sinkN][+recentN], got the part {part!r}")
+    return pattern, windows
+
+
 class Block(nn.Module):
     """Pre-LayerNorm decoder block: causal dfss.attention (grouped-query when kv_heads < heads), GELU MLP."""
 
@@ -116,7 +133,8 @@ class Block(nn.Module):
         k = apply_rope(k, cos, sin)
         if self.capture is not None:
             self.capture.append((q.detach(), k.detach(), v.detach()))
-        a = dfss.attention(q, k, v, is_causal=True, pattern=pattern, layout="blhd")
+        pattern, windows = parse_attention(pattern)
+        a = dfss.attention(q, k, v, is_causal=True, pattern=pattern, layout="blhd", **windows)
         x = x + self.out(a.reshape(b, l, dim))
         return x + self.ff(self.ln2(x))
 

@@ -6,13 +6,16 @@
 #   ft        DFSS 2:4 and 1:2 finetuned from the dense model for 20% of its steps (lr $FT_LR)
 #   control   the dense model trained on, dense, for the same steps and lr (the finetunes' control)
 #   scratch   DFSS trained from scratch with the dense budget (patterns in $SCRATCH, default "2:4 1:2")
+#   windows   the dense model's test bpb under DFSS with dense sink and recent windows, no finetuning
+#             (attention specs in $WINDOWS, default "2:4+sink16+recent64 1:2+sink16+recent64")
 #   capture   Q, K, V of the dense model's first and last layer on the longest test document (fp16)
 #   report    lm_report.py: the table with paired bootstrap intervals, bpb by position, the SVG plot
 # A stage whose output exists is skipped and an interrupted run (Ctrl-C: last.pt) is resumed, so the
 # script can simply be started again; STAGES runs a subset (e.g. STAGES="dense ft control").
 # Usage: run_lm.sh PYTHON OUT_DIR [extra lm_train.py train args for the dense and from-scratch runs]
 # Environment: THREADS (2), BUDGET (training bytes of the dense and from-scratch runs; default
-# lm_train.py's), FT_LR (3e-4), SCRATCH ("2:4 1:2"), STAGES (all), QUICK=1 (CI: --quick runs).
+# lm_train.py's), FT_LR (3e-4), SCRATCH ("2:4 1:2"), WINDOWS (see above), STAGES (all), QUICK=1 (CI:
+# --quick runs).
 set -euo pipefail
 py=$1 out=$2
 shift 2
@@ -20,7 +23,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 threads=${THREADS:-2}
 # torch.set_num_threads does not bound OpenBLAS's own threads: the environment does.
 export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads MKL_NUM_THREADS=$threads
-stages=" ${STAGES:-corpus dense ft control scratch capture report} "
+stages=" ${STAGES:-corpus dense ft control scratch windows capture report} "
 quick=()
 if [ "${QUICK:-0}" = 1 ]; then quick=(--quick --quiet); fi
 lm=("$py" "$here/lm_train.py")
@@ -84,6 +87,12 @@ if has scratch; then
     train "scratch-${p/:/-}" --corpus "$out/corpus" --attention "$p" --steps "$(dense_steps)" "${quick[@]}" "$@"
     evaluate "scratch-${p/:/-}" "$p"
   done
+fi
+if has windows && [ ! -f "$out/dense-windows-eval.json" ]; then
+  # shellcheck disable=SC2086  # the specs are words
+  "${lm[@]}" eval --threads "$threads" --checkpoint "$out/dense/final.pt" \
+    --attention ${WINDOWS:-2:4+sink16+recent64 1:2+sink16+recent64} --out "$out/dense-windows-eval.json.tmp"
+  mv "$out/dense-windows-eval.json.tmp" "$out/dense-windows-eval.json"
 fi
 if has capture && [ ! -f "$out/qkv/capture.json" ]; then
   last=$(( $("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['config']['layers'])" \

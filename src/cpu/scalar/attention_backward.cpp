@@ -34,7 +34,7 @@ bool dbias_broadcast(const attention_params& p) {
 }
 
 /// The per-row inputs of the backward: the fp32 query and dO rows, D = rowsum(dO * O) summed in
-/// increasing c, and the forward's LSE.
+/// increasing c (less dLSE when given), and the forward's LSE.
 template <typename T>
 void scalar_row_inputs(const attention_params& p, std::int64_t b, std::int64_t h, std::int64_t i, float* q, float* dout,
                        float& rowsum_do, float& lse) {
@@ -46,6 +46,11 @@ void scalar_row_inputs(const attention_params& p, std::int64_t b, std::int64_t h
   }
   lse = static_cast<float>(
       core::load_as_double(p.lse, p.lse_type, b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]));
+  // dS = P (dP - D + dLSE): a gradient of the LSE enters as D - dLSE.
+  if (p.dlse != nullptr) {
+    rowsum_do -= static_cast<float>(
+        core::load_as_double(p.dlse, p.lse_type, b * p.dlse_stride[0] + h * p.dlse_stride[1] + i * p.dlse_stride[2]));
+  }
 }
 
 /// One query row of the backward: recomputes the row's scores and selection with the forward's

@@ -28,9 +28,11 @@ template <typename T>
     s[t] = j >= end ? neg_inf : dot;
   }
   bool nan_seen = false;
+  const mask::whole_groups whole = core::whole_groups(p, b, i);
   for (std::int64_t g = 0; g < width; g += m) {
     const int count = static_cast<int>(width - g < m ? width - g : m);
-    const std::uint32_t keep = nm_select_group<float>(s + g, count, n, m);
+    const std::uint32_t keep =
+        mask::group_is_whole(whole, j0 + g) ? (1u << count) - 1u : nm_select_group<float>(s + g, count, n, m);
     for (int t = 0; t < count; ++t) {
       if (!((keep >> t) & 1u)) s[g + t] = neg_inf;
       else if (std::isnan(s[g + t])) nan_seen = true;

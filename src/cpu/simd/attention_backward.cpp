@@ -177,6 +177,11 @@ class backward_pass : public kernel<T> {
         dsum += dout[i * dp_ + c] *
                 static_cast<float>(core::load_as_double(p_.o, p_.o_type, core::offset4(p_.o_stride, b, i0 + i, h, c)));
       }
+      // dS = P (dP - D + dLSE): a gradient of the LSE enters as D - dLSE.
+      if (p_.dlse != nullptr) {
+        dsum -= static_cast<float>(core::load_as_double(
+            p_.dlse, p_.lse_type, b * p_.dlse_stride[0] + h * p_.dlse_stride[1] + (i0 + i) * p_.dlse_stride[2]));
+      }
       ws.row_d.ptr[i] = dsum;
       const auto lse = static_cast<float>(core::load_as_double(
           p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2]));
@@ -242,7 +247,7 @@ class backward_pass : public kernel<T> {
         }
         float tile_max = neg_inf;
         const int kept = this->compact(s, static_cast<std::int32_t>(j0), ws.comp_val.ptr, ws.comp_idx.ptr, tile_max,
-                                      /*nan_free=*/true);  // NaN rows were diverted above
+                                      /*nan_free=*/true, core::whole_groups(p_, b, i0 + i));  // NaN rows were diverted above
         if (tile_max == neg_inf) continue;
         float& mx = ws.row_max.ptr[i];
         float& sum = ws.row_sum.ptr[i];
@@ -281,7 +286,8 @@ class backward_pass : public kernel<T> {
     float* cp = ws.comp_p.ptr;
     float* cds = ws.comp_ds.ptr;
     float tile_max = 0.0f;
-    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/true);  // NaN rows diverted
+    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/true,
+                                   core::whole_groups(p_, b, qi));  // NaN rows diverted
     const float d_row = ws.row_d.ptr[i];
     const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
     const DF d;

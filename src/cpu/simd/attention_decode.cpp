@@ -317,7 +317,8 @@ class decode_pass : public kernel<T> {
       const bool nan_or_inf = risky && this->row_has_nan_or_inf(s);
       if (nan_or_inf) ws.row_nan.ptr[r] = 1;
       // Local key indices (j0 = 0): they address the tile's V rows.
-      kept = this->compact(s, 0, slot_val(ws, parity, r), slot_idx(ws, parity, r), tile_max, /*nan_free=*/!nan_or_inf);
+      kept = this->compact(s, 0, slot_val(ws, parity, r), slot_idx(ws, parity, r), tile_max, /*nan_free=*/!nan_or_inf,
+                           mask::shifted(core::whole_groups(p_, b, qi), j0));
       if (tile_max == neg_inf) kept = 0;
     }
   }

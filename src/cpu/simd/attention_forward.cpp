@@ -171,7 +171,8 @@ class forward_pass : public kernel<T> {
     float* cv = ws.comp_val.ptr;
     std::int32_t* ci = ws.comp_idx.ptr;
     float tile_max = neg_inf;
-    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf);
+    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf,
+                                   core::whole_groups(p_, b, qi));
     if (tile_max == neg_inf) return;
     float& mx = ws.row_max.ptr[i];
     float& sum = ws.row_sum.ptr[i];

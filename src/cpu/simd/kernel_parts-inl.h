@@ -413,9 +413,7 @@ struct kernel {
   }
 
   /// Keys visible to query row qi: j < key_limit (key padding, causal and the sequence end).
-  std::int64_t key_limit(std::int64_t b, std::int64_t qi) const {
-    return mask::visible_end(p_.causal, p_.seqlen_q, p_.seqlen_k, core::valid_keys(p_, b), qi);
-  }
+  std::int64_t key_limit(std::int64_t b, std::int64_t qi) const { return core::visible_end(p_, b, qi); }
 
   /// Whether every value of a packed row is finite and at most 2^50 in magnitude: then no product
   /// or sum of d <= 512 such values overflows, so scores are finite and NaN-free.
@@ -546,8 +544,10 @@ struct kernel {
   /// the stack on every call, and made 1:2 and 2:4 3.3x slower than the AVX2 kernel it replaces.)
   /// A NaN-free row takes select_pairs_nan_free, the cheaper pairwise form of the same rule (the
   /// hand-written AVX2 kernel's): about half the instructions, which measured 2:4 about 10% faster
-  /// on AVX2. Other N:M go through the scalar nm_select_group; N = M keeps everything.
-  HWY_INLINE int compact(const float* s, std::int32_t j0, float* cv, std::int32_t* ci, float& max_out, bool nan_free) const {
+  /// on AVX2. Other N:M go through the scalar nm_select_group; N = M keeps everything. @p whole:
+  /// the row's groups kept whole (sink and recent windows, core::whole_groups).
+  HWY_INLINE int compact(const float* s, std::int32_t j0, float* cv, std::int32_t* ci, float& max_out, bool nan_free,
+                         const mask::whole_groups& whole) const {
     const DF d;
     const DI di;
     const int n = p_.pattern_n, m = p_.pattern_m;
@@ -564,7 +564,7 @@ struct kernel {
         hn::StoreU(hn::Add(iota, hn::Set(di, j0 + t)), di, ci + t);
       }
       kept = w_;
-    } else if ((n == 1 && m == 2) || (n == 2 && m == 4)) {
+    } else if (((n == 1 && m == 2) || (n == 2 && m == 4)) && !mask::tile_has_whole_groups(whole, j0, w_)) {
       // W is a multiple of the panel (2 vectors): two vectors of keys give one vector of kept keys.
       for (int t = 0; t < w_; t += 2 * lanes_) {
         const VF x0 = hn::Load(d, s + t);
@@ -592,8 +592,12 @@ struct kernel {
         kept += lanes_;
       }
     } else {
+      // Other N:M, and tiles touching the sink or recent window (docs/semantics.md), whose whole
+      // groups keep every key: few tiles per row, so the scalar rule serves.
+      const bool whole_tile = mask::tile_has_whole_groups(whole, j0, w_);
       for (int g = 0; g < w_; g += m) {
-        const std::uint32_t keep = select_group_generic(s + g, n, m);
+        const std::uint32_t keep = whole_tile && mask::group_is_whole(whole, j0 + g) ? (1u << m) - 1u
+                                                                                   : select_group_generic(s + g, n, m);
         for (int x = 0; x < m; ++x) {
           if ((keep >> x) & 1u) {
             cv[kept] = s[g + x];

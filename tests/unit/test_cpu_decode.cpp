@@ -221,5 +221,36 @@ TEST(CpuDecode, ManyChunksAndEmptyRows) {
   }
 }
 
+TEST(CpuDecode, PositionsAndWindowsAcrossChunks) {
+  // Sink and recent windows (groups kept whole) and key / query offsets on a cache split into 9
+  // chunks of 512 keys: the recent window spans chunk boundaries, the sink ends inside a group, the
+  // sequences have their own lengths and positions (a draft of 3 rows of a shorter sequence).
+  std::mt19937_64 rng(test_seed() + 104);
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 4}}) {
+    shape s{2, 3, 4099, 4, 2, 16, true, false, {4099, 2050}};
+    problem pr = make_problem(s, pat, rng, /*integers=*/true);
+    pr.key_offset = 16;
+    pr.query_offset = {pr.key_offset + 3001, pr.key_offset + 2050 - pr.Lq};
+    pr.sink = 5;
+    pr.recent = 600;
+    const auto want = run_forward(pr);
+    for (cpu_isa isa : runnable_cpu_isas()) {
+      run_options opt;
+      opt.type = dtype::f32;
+      opt.backend = backend::cpu;
+      opt.isa = isa;
+      opt.threads = 1;
+      const auto one = run_forward(pr, opt);
+      double err = 0;
+      for (std::size_t x = 0; x < one.o.size(); ++x) err = std::max(err, std::abs(one.o[x] - want.o[x]));
+      EXPECT_LE(err, output_tol(pr)) << label(pr, isa, dtype::f32);
+      EXPECT_LE(max_rel_err(one.lse, want.lse), (16.0 + static_cast<double>(pr.Lk)) * kEps32) << label(pr, isa, dtype::f32);
+      opt.threads = 3;
+      const auto many = run_forward(pr, opt);
+      EXPECT_EQ(0, std::memcmp(many.o.data(), one.o.data(), one.o.size() * sizeof(double))) << label(pr, isa, dtype::f32);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dfss::testing

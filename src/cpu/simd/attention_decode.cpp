@@ -15,10 +15,11 @@
 //      softmax update of the row.
 //   3. The V rows of the tile are read only where some row of the group kept the key with a finite
 //      score (the union over the group's heads and rows), then acc += p * V[key] per row over its
-//      kept keys.
+//      kept keys. Software-pipelined: those V rows are prefetched when the tile's selection is
+//      known and read after the next tile's scores (a dense pattern's V is prefetched with K).
 // Each task leaves its rows' partial state (max m_c, sum l_c, unnormalised accumulator, NaN flag).
-// A second pass per (batch, kv head) folds the chunks in increasing order with the online softmax
-// rescale (the same update the forward applies between key tiles): m = max(m, m_c),
+// The task that finishes the last chunk of a (batch, kv head) folds its chunks in increasing order
+// with the online softmax rescale (the same update the forward applies between key tiles): m = max(m, m_c),
 // l = l e^(scale (m_old - m)) + l_c e^(scale (m_c - m)), likewise the accumulator. This is the exact
 // LSE merge of docs/semantics.md (LSE_c = scale m_c + log l_c) held as (m, l) instead of LSE, so a
 // chunk whose scale * m_c overflows fp32 (LSE = +inf) still merges to the fused forward's finite O.
@@ -35,6 +36,9 @@
 
 #include "cpu/simd/kernel_parts-inl.h"
 
+#include <atomic>
+#include <memory>
+
 #ifndef DFSS_CPU_SIMD_DECODE_ONCE_
 #define DFSS_CPU_SIMD_DECODE_ONCE_
 namespace dfss::cpu::simd {
@@ -45,7 +49,8 @@ inline constexpr std::int64_t kDecodeTargetTasks = 128;
 /// Shortest key chunk: at d = 128 in fp32, 512 keys are 512 KiB of K and V per task, so the per-task
 /// cost (loading the group's Q rows, writing and folding one partial state per row) stays below 1%.
 inline constexpr std::int64_t kDecodeMinChunk = 512;
-/// How far ahead K is prefetched, in key tiles.
+/// How far ahead K (and a dense pattern's V) is prefetched, in key tiles: one tile (32 KiB of fp32
+/// K at d = 128) hides DRAM latency; 3 measured no faster, and keeps more of L1 and L2 busy.
 inline constexpr std::int64_t kPrefetchTiles = 1;
 /// Bytes per prefetch: the cache line of every x86-64 and AArch64 core dfss targets.
 inline constexpr std::int64_t kCacheLine = 64;
@@ -143,12 +148,22 @@ class decode_pass : public kernel<T> {
     std::vector<float> part_acc(states * static_cast<std::size_t>(dp_)), part_max(states), part_sum(states);
     std::vector<unsigned char> part_nan(states);
     partials parts{part_acc.data(), part_max.data(), part_sum.data(), part_nan.data()};
-    // Tasks cost the same but for masks (key lengths, causal rows): one at a time.
+    // Tasks cost the same but for masks (key lengths, causal rows): one at a time. The task that
+    // finishes the last chunk of a (batch, kv head) folds it, in chunk order whichever thread that
+    // is, so there is one parallel region (a second one for the fold cost a whole time slice per
+    // call whenever the cores were shared) and the fold overlaps the other pairs' chunks.
+    const std::unique_ptr<std::atomic<std::int64_t>[]> finished(new std::atomic<std::int64_t>[static_cast<std::size_t>(pairs)]);
+    for (std::int64_t pair = 0; pair < pairs; ++pair) finished[static_cast<std::size_t>(pair)].store(0, std::memory_order_relaxed);
     parallel_for(
         tasks, p_.num_threads, schedule::dynamic, [&] { reserve(worker_scratch<decode_workspace>()); },
-        [&](std::int64_t t) { task(worker_scratch<decode_workspace>(), t, parts); });
-    parallel_for(
-        pairs, p_.num_threads, schedule::contiguous, [] {}, [&](std::int64_t pair) { fold(pair, parts); });
+        [&](std::int64_t t) {
+          task(worker_scratch<decode_workspace>(), t, parts);
+          const std::int64_t pair = t / chunks_;
+          // acq_rel: the folding task sees the partial states every other chunk of the pair wrote.
+          if (finished[static_cast<std::size_t>(pair)].fetch_add(1, std::memory_order_acq_rel) + 1 == chunks_) {
+            fold(pair, parts);
+          }
+        });
   }
 
  private:

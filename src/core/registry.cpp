@@ -27,6 +27,7 @@ constexpr const char* needs_of(cpu::simd_target t) noexcept {
     case cpu::simd_target::neon: return "NEON";
     case cpu::simd_target::sve: return "SVE";
     case cpu::simd_target::sve2: return "SVE2";
+    case cpu::simd_target::avx3_bf16: return "AVX-512 F/BW/DQ/VL, AVX512_BF16";
   }
   return "";
 }
@@ -77,6 +78,12 @@ const kernel_entry kKernels[] = {
     // marked automatic, so the order is the preference. Each backward runs after (or with the O and
     // LSE of) the forward of its target.
 #if defined(__x86_64__)
+    // avx3_bf16 first: for bf16 inputs its forward runs Q K^T and P V as bf16 dot products (about
+    // 1.5x the avx3 rate, docs/benchmarks.md); f32 and f16 inputs run the avx3 code itself.
+#if defined(DFSS_HAVE_BF16_DOT)
+    DFSS_SIMD_ROWS(cpu::simd_target::avx3_bf16, avx3_bf16, "avx3_bf16", cpu_fused_forward_avx3_bf16,
+                   cpu_fused_backward_avx3_bf16),
+#endif
     DFSS_SIMD_ROWS(cpu::simd_target::avx3, avx3, "avx3", cpu_fused_forward_avx3, cpu_fused_backward_avx3),
     DFSS_SIMD_ROWS(cpu::simd_target::avx2, avx2, "avx2", cpu_fused_forward_avx2, cpu_fused_backward_avx2),
     DFSS_SIMD_ROWS(cpu::simd_target::sse4, sse4, "sse4", cpu_fused_forward_sse4, cpu_fused_backward_sse4),

@@ -80,24 +80,14 @@ class forward_pass : public kernel<T> {
     const std::int64_t i0 = qt * kRowsPerTask;
     const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
     const int rows_mk = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
-#if DFSS_SIMD_BF16_DOT
-    if (dot_) {
-      this->pack_head_bf16(ws, b, hk);
-    } else {
-      this->pack_head(ws, b, hk);
-    }
-#else
-    this->pack_head(ws, b, hk);
-#endif
+    pack(ws, b, hk);
 
     float* q = ws.q.ptr;
     ws.risky = ws.kv_risky || p_.bias != nullptr;
     for (int i = 0; i < rows_mk; ++i) {
       this->load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
       ws.risky = ws.risky || !this->row_is_tame(q + i * dp_);
-#if DFSS_SIMD_BF16_DOT
-      if (dot_) bf16dot::pack_query_row(q + i * dp_, dp_, ws.qb.ptr + i * (dp_ / 2));
-#endif
+      if (dot_) pack_query_row(ws, q, i);
     }
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
     std::int64_t tile_end = 0;  // keys beyond the last visible key of any row of the task are skipped
@@ -109,15 +99,7 @@ class forward_pass : public kernel<T> {
     }
 
     for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
-#if DFSS_SIMD_BF16_DOT
-      if (dot_) {
-        bf16dot::qk_tile(ws.qb.ptr, rows_mk, dp_, ws.kb.ptr, j0, w_, ws.s.ptr);
-      } else {
-        this->tile_product(q, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
-      }
-#else
-      this->tile_product(q, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
-#endif
+      scores(ws, rows_mk, j0);
       for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0);
     }
 
@@ -221,13 +203,44 @@ class forward_pass : public kernel<T> {
     const bool masked_tile = j0 + w_ > lim || p_.bias != nullptr;
     sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_tile) : exp_kept<true>(cv, ci, kept, mx, masked_tile);
 
-    // acc += p * V[index] over the kept keys (ci holds element offsets now). avx3_bf16: p rounded
-    // to bf16 and V in bf16 (the sum above keeps the unrounded p, as GPU flash attention does).
+    // acc += p * V[index] over the kept keys (ci holds element offsets now).
+    values(ws, acc, kept, cv, ci);
+  }
+
+  // The three steps the avx3_bf16 forward does with bf16 dot products (bf16_dot.hpp); every other
+  // instance, and avx3_bf16 on f32 and f16 inputs, runs the fp32 code.
+
+  /// Packs K and V of (batch b, kv head hk) into the thread's scratch.
+  void pack(workspace& ws, std::int64_t b, std::int64_t hk) const {
 #if DFSS_SIMD_BF16_DOT
-    if (dot_) {
-      bf16dot::pv_row(acc, dp_, kept, cv, ci, ws.vb.ptr);
-      return;
-    }
+    if (dot_) return this->pack_head_bf16(ws, b, hk);
+#endif
+    this->pack_head(ws, b, hk);
+  }
+
+  /// avx3_bf16: row @p i of the query tile (already in fp32 in ws.q) as bf16 column pairs.
+  void pack_query_row(workspace& ws, const float* q, int i) const {
+#if DFSS_SIMD_BF16_DOT
+    bf16dot::pack_query_row(q + i * dp_, dp_, ws.qb.ptr + i * (dp_ / 2));
+#else
+    (void)ws, (void)q, (void)i;
+#endif
+  }
+
+  /// S = Q K^T of the task's query tile and the key tile at @p j0, into ws.s.
+  void scores(workspace& ws, int rows_mk, std::int64_t j0) const {
+#if DFSS_SIMD_BF16_DOT
+    if (dot_) return bf16dot::qk_tile(ws.qb.ptr, rows_mk, dp_, ws.kb.ptr, j0, w_, ws.s.ptr);
+#endif
+    this->tile_product(ws.q.ptr, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
+  }
+
+  /// acc += p * V[offset] over the @p kept compacted weights @p cv and V element offsets @p ci.
+  /// avx3_bf16: p rounded to bf16 and V in bf16 (the row sum keeps the unrounded p, as GPU flash
+  /// attention does; docs/semantics.md, "Precision").
+  HWY_INLINE void values(workspace& ws, float* acc, int kept, const float* cv, const std::int32_t* ci) const {
+#if DFSS_SIMD_BF16_DOT
+    if (dot_) return bf16dot::pv_row(acc, dp_, kept, cv, ci, ws.vb.ptr);
 #endif
     const float* vp = ws.vp.ptr;
     add_row_combination(
@@ -237,8 +250,9 @@ class forward_pass : public kernel<T> {
 
 status forward_entry(const attention_params& p, simd_target t) {
   const bool dot = t == simd_target::avx3_bf16;
-  // int32 offsets would overflow: the scalar twin. (The larger tile of avx3_bf16 is the bound.)
-  if (!kernel<float>::fits_int32(p, dot ? kMinKeyTileBf16Dot : kMinKeyTile)) return fused_forward_scalar(p);
+  // int32 offsets would overflow: the scalar twin (with the key tile the call will use).
+  const int tile = forward_pass<bfloat16>::uses_dot(dot && p.input_type == dtype::bf16) ? kMinKeyTileBf16Dot : kMinKeyTile;
+  if (!kernel<float>::fits_int32(p, tile)) return fused_forward_scalar(p);
   switch (p.input_type) {
     case dtype::f32: forward_pass<float>(p, dot).run(); break;
     case dtype::f16: forward_pass<half>(p, dot).run(); break;

@@ -411,5 +411,53 @@ TEST(Cpu, Bf16DotOnLargerShapesForEveryThreadCount) {
   }
 }
 
+TEST(Cpu, Bf16DotBackwardWithItsForwardsOutput) {
+  // The avx3_bf16 backward given the avx3_bf16 forward's O and LSE (run_backward passes them when
+  // a dLSE is given; here 0), on exact scores. Bounds: the fp32 ones of test_cpu_backward.cpp,
+  // (64 + terms) eps_f32 (1 + max|want|), plus what O's P-in-bf16 error does to D = rowsum(dO O):
+  // |dD| <= d max|dO| kBf16Roundoff max|v|, and dS = P (dP - D) moves by P |dD|, so dQ = scale
+  // sum_j dS_j k_j by at most scale |dD| max|k| (the P of a row sum to 1), dK_j = scale sum_i
+  // dS_ij q_i by at most scale group Lq |dD| max|q|, dBias by scale |dD| per summed entry; dV =
+  // P^T dO does not read O.
+  if (!bf16_dot_runs()) GTEST_SKIP() << "this CPU or build has no avx3_bf16";
+  std::mt19937_64 rng(test_seed() + 21);
+  int variant = 0;
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 8}, pattern{1, 1}}) {
+    problem pr;
+    pr.B = 2, pr.Lq = 37, pr.Lk = 150, pr.H = 4, pr.Hkv = 2, pr.d = variant % 2 == 0 ? 24 : 64, pr.pat = pat;
+    pr.causal = variant % 2 == 1;
+    pr.has_bias = variant % 3 == 0, pr.bias_b = true, pr.bias_h = true;
+    pr.key_lengths = {150, 101};
+    ++variant;
+    fill(pr, rng, /*integers=*/true);
+    pr.dlse.assign(static_cast<std::size_t>(pr.B * pr.H * pr.Lq), 0.0);
+    const auto want = run_backward(pr);
+    const auto got = run_backward(pr, bf16_options(cpu_isa::avx3_bf16));
+    const auto max_of = [](const std::vector<double>& x) {
+      double m = 0;
+      for (double e : x) m = std::max(m, std::abs(e));
+      return m;
+    };
+    const double scale = pr.resolved_scale(), group_rows = static_cast<double>(pr.H / pr.Hkv * pr.Lq);
+    const double dD = static_cast<double>(pr.d) * max_of(pr.dout) * kBf16Roundoff * max_of(pr.v);
+    const auto check = [&](const std::vector<double>& g, const std::vector<double>& w, double terms, double extra,
+                           const char* name) {
+      ASSERT_EQ(g.size(), w.size()) << name;
+      const double tol = (64.0 + terms) * kEps32 * (1.0 + max_of(w)) + extra;
+      double err = 0;
+      for (std::size_t x = 0; x < g.size(); ++x) {
+        ASSERT_TRUE(std::isfinite(g[x])) << pr.describe() << " " << name << " at " << x;
+        err = std::max(err, std::abs(g[x] - w[x]));
+      }
+      EXPECT_LE(err, tol) << pr.describe() << " " << name;
+    };
+    const double lk = static_cast<double>(pr.Lk);
+    check(got.dq, want.dq, lk, scale * dD * max_of(pr.k), "dq");
+    check(got.dk, want.dk, group_rows, scale * group_rows * dD * max_of(pr.q), "dk");
+    check(got.dv, want.dv, group_rows, 0.0, "dv");
+    if (pr.has_bias) check(got.dbias, want.dbias, lk, scale * dD, "dbias");
+  }
+}
+
 }  // namespace
 }  // namespace dfss::testing

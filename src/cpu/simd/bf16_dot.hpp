@@ -13,7 +13,7 @@
 // c + 1 in the even one, a score is the same fp32 FMA chain over c = 0, 1, ... as the fp32
 // micro-kernel's: the same bits, unless an operand or a partial sum is below 2^-126 in magnitude.
 //
-// Only declarations here: every definition is in the -mavx512bf16 translation unit and none is
+// Only constants and declarations here: every function is defined in the -mavx512bf16 unit, none
 // inline, so the linker can never pick an AVX-512 copy of a shared inline function for other code.
 #pragma once
 

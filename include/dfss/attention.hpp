@@ -36,12 +36,15 @@ enum class cpu_isa : int {
   neon,      ///< AArch64 NEON
   sve,       ///< AArch64 SVE (any vector length)
   sve2,      ///< AArch64 SVE2
+  /// x86-64 AVX3 with AVX512_BF16: the avx3 target, whose bf16 forward computes Q K^T and P V
+  /// with bf16 dot products (vdpbf16ps) instead of widening to fp32 (docs/semantics.md, "Precision")
+  avx3_bf16,
 };
 
 /// @brief Parses "fused" or "three-stage" (also "three_stage"); throws dfss::error naming @p argument.
 cpu_algorithm parse_cpu_algorithm(std::string_view text, std::string_view argument = "cpu_algorithm");
 /// @brief Parses "automatic" (or "auto"), "generic", "portable" or a Highway target name ("sse4",
-/// "avx2", "avx3", "neon", "sve", "sve2"); throws dfss::error naming @p argument otherwise.
+/// "avx2", "avx3", "avx3_bf16", "neon", "sve", "sve2"); throws dfss::error naming @p argument otherwise.
 cpu_isa parse_cpu_isa(std::string_view text, std::string_view argument = "cpu_isa");
 /// @brief The name parse_cpu_isa accepts for @p isa ("automatic", "generic", "avx2", ...).
 const char* cpu_isa_name(cpu_isa isa) noexcept;
@@ -172,6 +175,9 @@ enum class kernel_kind : int {
   cpu_decode_forward_sve,
   cpu_decode_forward_sve2,
   cpu_decode_forward_portable,
+  cpu_fused_forward_avx3_bf16,
+  cpu_fused_backward_avx3_bf16,
+  cpu_decode_forward_avx3_bf16,  ///< the avx3 decode forward, requested or picked as avx3_bf16
 };
 
 /// @brief The selector's answer: supported or not, and what runs.

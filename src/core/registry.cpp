@@ -27,6 +27,7 @@ constexpr const char* needs_of(cpu::simd_target t) noexcept {
     case cpu::simd_target::neon: return "NEON";
     case cpu::simd_target::sve: return "SVE";
     case cpu::simd_target::sve2: return "SVE2";
+    case cpu::simd_target::avx3_bf16: return "AVX-512 F/BW/DQ/VL, AVX512_BF16";
   }
   return "";
 }
@@ -62,15 +63,17 @@ status simd_backward(const attention_params& p) noexcept {
    .cpu_lacks = simd_lacks<T>, .run = simd_decode<T>}
 
 /// The rows of SIMD target @p T: forward and backward under their own cpu_isa value, in the
-/// automatic preference order of the table.
-#define DFSS_SIMD_ROWS(T, ISA, NAME, FWD, BWD)                                                               \
+/// automatic preference order of the table; the backward consumes the O and LSE of forward PAIRED
+/// (FWD itself, except for avx3_bf16, see there).
+#define DFSS_SIMD_ROWS(T, ISA, NAME, FWD, BWD) DFSS_SIMD_ROWS_PAIRED(T, ISA, NAME, FWD, BWD, FWD)
+#define DFSS_SIMD_ROWS_PAIRED(T, ISA, NAME, FWD, BWD, PAIRED)                                                \
   {.kind = kernel_kind::FWD, .name = "cpu.fused_forward." NAME, .backend = backend::cpu,                      \
    .dir = direction::forward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true, .dtypes = kHostFloats, \
    .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_forward<T>},                                  \
   {.kind = kernel_kind::BWD, .name = "cpu.fused_backward." NAME, .backend = backend::cpu,                     \
    .dir = direction::backward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true,                      \
    .dtypes = kHostFloats, .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_backward<T>,          \
-   .forward = kernel_kind::FWD}
+   .forward = kernel_kind::PAIRED}
 
 // cpu_isa::portable: the baseline SIMD target of the architecture, under its own kernel names.
 #if defined(__aarch64__)
@@ -90,6 +93,17 @@ const kernel_entry kKernels[] = {
     // marked automatic, so the order is the preference. Each backward runs after (or with the O and
     // LSE of) the forward of its target.
 #if defined(__x86_64__)
+    // avx3_bf16 first: for bf16 inputs its forward runs Q K^T and P V as bf16 dot products (about
+    // 1.5x the avx3 rate, docs/benchmarks.md); f32 and f16 inputs run the avx3 code itself. Its
+    // backward is the avx3 backward; when the caller gives no O and LSE it gets them from the avx3
+    // forward, whose scores and selection are the avx3_bf16 forward's bit for bit (bf16_dot.hpp)
+    // but whose P is not rounded to bf16, so the gradients are the avx3 ones. Its decode forward is
+    // the avx3 one (a decode step reads the cache once: it is bound by memory, not by products).
+#if defined(DFSS_HAVE_BF16_DOT)
+    DFSS_DECODE_ROW(cpu::simd_target::avx3_bf16, avx3_bf16, "avx3_bf16", cpu_decode_forward_avx3_bf16, true),
+    DFSS_SIMD_ROWS_PAIRED(cpu::simd_target::avx3_bf16, avx3_bf16, "avx3_bf16", cpu_fused_forward_avx3_bf16,
+                          cpu_fused_backward_avx3_bf16, cpu_fused_forward_avx3),
+#endif
     DFSS_DECODE_ROW(cpu::simd_target::avx3, avx3, "avx3", cpu_decode_forward_avx3, true),
     DFSS_SIMD_ROWS(cpu::simd_target::avx3, avx3, "avx3", cpu_fused_forward_avx3, cpu_fused_backward_avx3),
     DFSS_DECODE_ROW(cpu::simd_target::avx2, avx2, "avx2", cpu_decode_forward_avx2, true),
@@ -137,6 +151,7 @@ const kernel_entry kKernels[] = {
 
 #undef DFSS_SIMD_ROWS
 #undef DFSS_DECODE_ROW
+#undef DFSS_SIMD_ROWS_PAIRED
 
 }  // namespace
 

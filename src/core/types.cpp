@@ -106,7 +106,8 @@ cpu_algorithm parse_cpu_algorithm(std::string_view text, std::string_view argume
 
 namespace {
 constexpr cpu_isa kAllIsas[] = {cpu_isa::automatic, cpu_isa::generic, cpu_isa::avx2, cpu_isa::portable, cpu_isa::sse4,
-                                cpu_isa::avx3,      cpu_isa::neon,    cpu_isa::sve,  cpu_isa::sve2};
+                                cpu_isa::avx3,      cpu_isa::neon,    cpu_isa::sve,  cpu_isa::sve2,
+                                cpu_isa::avx3_bf16};
 }  // namespace
 
 const char* cpu_isa_name(cpu_isa isa) noexcept {
@@ -120,6 +121,7 @@ const char* cpu_isa_name(cpu_isa isa) noexcept {
     case cpu_isa::neon: return "neon";
     case cpu_isa::sve: return "sve";
     case cpu_isa::sve2: return "sve2";
+    case cpu_isa::avx3_bf16: return "avx3_bf16";
   }
   return "unknown";
 }
@@ -131,7 +133,7 @@ cpu_isa parse_cpu_isa(std::string_view text, std::string_view argument) {
   }
   throw error(status_code::invalid_argument,
               "dfss: argument '" + std::string(argument) +
-                  "': expected automatic, generic, portable or a SIMD target (sse4, avx2, avx3, neon, sve, sve2), "
+                  "': expected automatic, generic, portable or a SIMD target (sse4, avx2, avx3, avx3_bf16, neon, sve, sve2), "
                   "got \"" + std::string(text) + "\"");
 }
 

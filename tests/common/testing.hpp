@@ -284,6 +284,26 @@ inline std::string cpu_isa_label(cpu_isa isa) {
   return s;
 }
 
+/// Whether the forward on @p isa rounds P to bf16 for @p t inputs: the avx3_bf16 target's bf16 dot
+/// products (docs/semantics.md, "Precision"), which automatic picks where the CPU runs them.
+inline bool forward_rounds_p_to_bf16(cpu_isa isa, dtype t) {
+  if (t != dtype::bf16) return false;
+  if (isa == cpu_isa::automatic) {
+    for (const cpu_isa_support& s : cpu_simd_isas()) {
+      if (s.supported) return s.isa == cpu_isa::avx3_bf16;  // the best runnable target
+    }
+    return false;
+  }
+  return isa == cpu_isa::avx3_bf16;
+}
+
+/// The unit roundoff of bf16 (8 significant bits): round to nearest moves a value by at most
+/// 2^-8 of itself. A forward that rounds each softmax weight p_j to bf16 (forward_rounds_p_to_bf16)
+/// and divides by the fp32 sum of the unrounded weights moves O by |sum_j (p~_j - p_j) v_j| / sum_j
+/// p_j <= 2^-8 sum_j p_j |v_j| / sum_j p_j <= 2^-8 max|v| on top of the fp32 bound; the LSE (from
+/// the unrounded sum) does not change.
+inline constexpr double kBf16Roundoff = 1.0 / 256;
+
 /// The kernel name the selector reports for @p isa (forward or backward), as scripts know them.
 inline std::string fused_kernel_name(cpu_isa isa, bool forward) {
   const std::string dir = forward ? "cpu.fused_forward." : "cpu.fused_backward.";

@@ -5,7 +5,9 @@
 // reference's exactly and only the softmax and P V carry rounding: each output is a convex
 // combination of at most Lk values computed with fp32 exp and sums, so its error is bounded by
 // (c + Lk) * eps_f32 * max|v| with a small constant c for exp, scale and the final division; we use
-// c = 16. 16-bit outputs add half an ulp of the output type.
+// c = 16. 16-bit outputs add half an ulp of the output type. Where the forward rounds P to bf16
+// (the avx3_bf16 target with bf16 inputs), O may move by another kBf16Roundoff * max|v|
+// (tests/common/testing.hpp derives it).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -24,11 +26,11 @@ std::vector<cpu_isa> runnable_isas() { return runnable_cpu_isas(); }
 
 const char* isa_name(cpu_isa i) { return cpu_isa_name(i); }
 
-double output_tol(const problem& pr, dtype out) {
+double output_tol(const problem& pr, dtype out, bool p_in_bf16 = false) {
   double vmax = 0;
   for (double x : pr.v) vmax = std::max(vmax, std::abs(x));
   const double ulp_out = out == dtype::f16 ? 1.0 / 1024 : (out == dtype::bf16 ? 1.0 / 128 : 0.0);
-  return (16.0 + static_cast<double>(pr.Lk)) * kEps32 * vmax + ulp_out * vmax;
+  return (16.0 + static_cast<double>(pr.Lk)) * kEps32 * vmax + ulp_out * vmax + (p_in_bf16 ? kBf16Roundoff * vmax : 0.0);
 }
 
 std::vector<problem> cpu_shapes(std::mt19937_64& rng, bool integers) {
@@ -76,7 +78,8 @@ TEST(Cpu, FusedScalarMatchesReferenceOnExactScores) {
           ASSERT_TRUE(std::isfinite(got.o[x])) << pr.describe() << " at " << x;
           err = std::max(err, std::abs(got.o[x] - want.o[x]));
         }
-        EXPECT_LE(err, output_tol(pr, out)) << pr.describe() << " " << isa_name(isa) << " " << dtype_name(t) << "->" << dtype_name(out);
+        EXPECT_LE(err, output_tol(pr, out, forward_rounds_p_to_bf16(isa, t)))
+            << pr.describe() << " " << isa_name(isa) << " " << dtype_name(t) << "->" << dtype_name(out);
         for (std::size_t x = 0; x < got.lse.size(); ++x) {
           if (std::isinf(want.lse[x])) {
             EXPECT_EQ(got.lse[x], want.lse[x]) << pr.describe();
@@ -269,6 +272,190 @@ TEST(Cpu, NaNInKeysReachesEveryRowThatSeesTheKey) {
       EXPECT_EQ(std::isnan(got.o[static_cast<std::size_t>(i * 16)]), sees) << isa_name(isa) << " row " << i;
       EXPECT_EQ(std::isnan(want.o[static_cast<std::size_t>(i * 16)]), sees) << "reference row " << i;
     }
+  }
+}
+
+}  // namespace
+}  // namespace dfss::testing
+
+// ---- The avx3_bf16 target: Q K^T and P V as bf16 dot products (src/cpu/simd/bf16_dot.hpp) -------
+
+namespace dfss::testing {
+namespace {
+
+bool bf16_dot_runs() {
+  const auto isas = runnable_isas();
+  return std::find(isas.begin(), isas.end(), cpu_isa::avx3_bf16) != isas.end();
+}
+
+run_options bf16_options(cpu_isa isa, int threads = 0) {
+  run_options opt;
+  opt.type = dtype::bf16;
+  opt.out_type = dtype::f32;  // O unrounded: the kernel's values, not the output rounding, are tested
+  opt.backend = backend::cpu;
+  opt.isa = isa;
+  opt.threads = threads;
+  return opt;
+}
+
+/// The inputs rounded to bf16, so that the fp64 reference computes the function of what the kernel reads.
+problem rounded_to_bf16(problem pr) {
+  pr.q = round_through<bfloat16>(pr.q);
+  pr.k = round_through<bfloat16>(pr.k);
+  pr.v = round_through<bfloat16>(pr.v);
+  return pr;
+}
+
+bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);
+}
+
+TEST(Cpu, Bf16DotScoresAreTheFp32Scores) {
+  // vdpbf16ps with column c in the odd half of a pair is the fp32 micro-kernel's FMA chain, so on
+  // bf16 inputs avx3_bf16 computes avx3's scores bit for bit and keeps the same keys, also where a
+  // near-tie is decided by fp32 rounding (real-valued inputs). With one key tile (Lk <= 64) both
+  // also sum the same exponentials in the same order, so the LSE (from the unrounded weights) must
+  // be bitwise avx3's: a different score or kept set would change it. d not a multiple of 32
+  // exercises the tail paths of the packing.
+  if (!bf16_dot_runs()) GTEST_SKIP() << "this CPU or build has no avx3_bf16";
+  std::mt19937_64 rng(test_seed() + 18);
+  int variant = 0;
+  for (std::int64_t d : {16, 48, 64, 80, 128, 5}) {
+    for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 8}, pattern{1, 1}, pattern{2, 3}, pattern{7, 16}}) {
+      problem pr;
+      pr.B = 2, pr.Lq = 37, pr.Lk = variant % 3 == 0 ? 64 : 45, pr.H = 4, pr.Hkv = 2, pr.d = d, pr.pat = pat;
+      pr.causal = variant % 2 == 1;
+      if (variant % 4 == 2) pr.key_lengths = {pr.Lk - 7, 3};
+      ++variant;
+      fill(pr, rng);
+      const auto fp32 = run_forward(pr, bf16_options(cpu_isa::avx3));
+      const auto dot = run_forward(pr, bf16_options(cpu_isa::avx3_bf16));
+      EXPECT_TRUE(same_bits(fp32.lse, dot.lse)) << pr.describe();
+    }
+  }
+}
+
+TEST(Cpu, Bf16DotMatchesReferenceOnRandomInputs) {
+  // Real-valued bf16 inputs against the fp64 reference on the same (rounded) numbers: awkward
+  // shapes, grouped heads, causal masks, key lengths, every pattern. Rows where a group's N-th and
+  // (N+1)-th scores lie within the fp32 dot product's error (4 d eps_f32, inputs in [-1, 1]) may
+  // keep another key and are skipped. O: test_cpu's fp32 bound plus kBf16Roundoff max|v| for P in
+  // bf16; the LSE keeps the fp32 bound (it comes from the unrounded weights).
+  if (!bf16_dot_runs()) GTEST_SKIP() << "this CPU or build has no avx3_bf16";
+  std::mt19937_64 rng(test_seed() + 19);
+  for (auto pr : cpu_shapes(rng, /*integers=*/false)) {
+    pr.has_bias = false;  // keep the near-tie analysis to Q K^T alone
+    pr = rounded_to_bf16(pr);
+    const auto want = run_forward(pr);
+    const auto got = run_forward(pr, bf16_options(cpu_isa::avx3_bf16, 1));
+    const auto ties = near_tie_rows(pr, 4.0 * static_cast<double>(pr.d) * kEps32);
+    const double lse_tol = (16.0 + static_cast<double>(pr.Lk)) * kEps32;
+    for (std::size_t r = 0; r < ties.size(); ++r) {
+      if (ties[r]) continue;
+      for (std::int64_t c = 0; c < pr.d; ++c) {
+        const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
+        ASSERT_NEAR(got.o[x], want.o[x], output_tol(pr, dtype::f32, true)) << pr.describe() << " row " << r;
+      }
+    }
+    // LSE rows are [B, H, Lq]; tie rows are [B, Lq, H].
+    for (std::int64_t b = 0; b < pr.B; ++b)
+      for (std::int64_t h = 0; h < pr.H; ++h)
+        for (std::int64_t i = 0; i < pr.Lq; ++i) {
+          const std::size_t x = static_cast<std::size_t>((b * pr.H + h) * pr.Lq + i);
+          if (ties[static_cast<std::size_t>((b * pr.Lq + i) * pr.H + h)]) continue;
+          if (std::isinf(want.lse[x])) {
+            EXPECT_EQ(got.lse[x], want.lse[x]) << pr.describe();
+          } else {
+            EXPECT_NEAR(got.lse[x], want.lse[x], lse_tol * (1 + std::abs(want.lse[x]))) << pr.describe();
+          }
+        }
+    const auto many = run_forward(pr, bf16_options(cpu_isa::avx3_bf16, 3));
+    EXPECT_TRUE(same_bits(got.o, many.o) && same_bits(got.lse, many.lse)) << pr.describe() << ": 1 vs 3 threads";
+  }
+}
+
+TEST(Cpu, Bf16DotOnLargerShapesForEveryThreadCount) {
+  // Several 128-key tiles (avx3_bf16's width), partial tiles, d below, between and above the
+  // 32-column blocks of the P V loop (13, 64, 96, 128, 200), sink and recent windows, a bias: exact
+  // (small-integer) scores, so the selection is the reference's and O is within the fp32 bound plus
+  // the P rounding. 1, 2, 3 and 7 threads give the same bits.
+  if (!bf16_dot_runs()) GTEST_SKIP() << "this CPU or build has no avx3_bf16";
+  std::mt19937_64 rng(test_seed() + 20);
+  struct shape {
+    std::int64_t B, Lq, Lk, H, Hkv, d;
+  };
+  int variant = 0;
+  for (const auto& s : {shape{1, 70, 300, 2, 1, 64}, shape{2, 33, 257, 2, 2, 13}, shape{1, 5, 520, 1, 1, 96},
+                        shape{1, 40, 130, 3, 3, 128}, shape{1, 9, 200, 2, 1, 200}}) {
+    for (pattern pat : {pattern{1, 1}, pattern{1, 2}, pattern{2, 4}, pattern{3, 8}, pattern{5, 7}}) {
+      problem pr;
+      pr.B = s.B, pr.Lq = s.Lq, pr.Lk = s.Lk, pr.H = s.H, pr.Hkv = s.Hkv, pr.d = s.d, pr.pat = pat;
+      pr.causal = variant % 2 == 0;
+      pr.has_bias = variant % 3 == 1;
+      if (variant % 4 == 3) pr.sink = 5, pr.recent = 20;
+      ++variant;
+      fill(pr, rng, /*integers=*/true);
+      const auto want = run_forward(pr);
+      const auto got = run_forward(pr, bf16_options(cpu_isa::avx3_bf16, 1));
+      double err = 0;
+      for (std::size_t x = 0; x < got.o.size(); ++x) {
+        ASSERT_TRUE(std::isfinite(got.o[x])) << pr.describe();
+        err = std::max(err, std::abs(got.o[x] - want.o[x]));
+      }
+      EXPECT_LE(err, output_tol(pr, dtype::f32, true)) << pr.describe();
+      for (int threads : {2, 3, 7}) {
+        const auto many = run_forward(pr, bf16_options(cpu_isa::avx3_bf16, threads));
+        EXPECT_TRUE(same_bits(got.o, many.o) && same_bits(got.lse, many.lse)) << pr.describe() << ", threads " << threads;
+      }
+    }
+  }
+}
+
+TEST(Cpu, Bf16DotBackwardWithItsForwardsOutput) {
+  // The avx3_bf16 backward given the avx3_bf16 forward's O and LSE (run_backward passes them when
+  // a dLSE is given; here 0), on exact scores. Bounds: the fp32 ones of test_cpu_backward.cpp,
+  // (64 + terms) eps_f32 (1 + max|want|), plus what O's P-in-bf16 error does to D = rowsum(dO O):
+  // |dD| <= d max|dO| kBf16Roundoff max|v|, and dS = P (dP - D) moves by P |dD|, so dQ = scale
+  // sum_j dS_j k_j by at most scale |dD| max|k| (the P of a row sum to 1), dK_j = scale sum_i
+  // dS_ij q_i by at most scale group Lq |dD| max|q|, dBias by scale |dD| per summed entry; dV =
+  // P^T dO does not read O.
+  if (!bf16_dot_runs()) GTEST_SKIP() << "this CPU or build has no avx3_bf16";
+  std::mt19937_64 rng(test_seed() + 21);
+  int variant = 0;
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 8}, pattern{1, 1}}) {
+    problem pr;
+    pr.B = 2, pr.Lq = 37, pr.Lk = 150, pr.H = 4, pr.Hkv = 2, pr.d = variant % 2 == 0 ? 24 : 64, pr.pat = pat;
+    pr.causal = variant % 2 == 1;
+    pr.has_bias = variant % 3 == 0, pr.bias_b = true, pr.bias_h = true;
+    pr.key_lengths = {150, 101};
+    ++variant;
+    fill(pr, rng, /*integers=*/true);
+    pr.dlse.assign(static_cast<std::size_t>(pr.B * pr.H * pr.Lq), 0.0);
+    const auto want = run_backward(pr);
+    const auto got = run_backward(pr, bf16_options(cpu_isa::avx3_bf16));
+    const auto max_of = [](const std::vector<double>& x) {
+      double m = 0;
+      for (double e : x) m = std::max(m, std::abs(e));
+      return m;
+    };
+    const double scale = pr.resolved_scale(), group_rows = static_cast<double>(pr.H / pr.Hkv * pr.Lq);
+    const double dD = static_cast<double>(pr.d) * max_of(pr.dout) * kBf16Roundoff * max_of(pr.v);
+    const auto check = [&](const std::vector<double>& g, const std::vector<double>& w, double terms, double extra,
+                           const char* name) {
+      ASSERT_EQ(g.size(), w.size()) << name;
+      const double tol = (64.0 + terms) * kEps32 * (1.0 + max_of(w)) + extra;
+      double err = 0;
+      for (std::size_t x = 0; x < g.size(); ++x) {
+        ASSERT_TRUE(std::isfinite(g[x])) << pr.describe() << " " << name << " at " << x;
+        err = std::max(err, std::abs(g[x] - w[x]));
+      }
+      EXPECT_LE(err, tol) << pr.describe() << " " << name;
+    };
+    const double lk = static_cast<double>(pr.Lk);
+    check(got.dq, want.dq, lk, scale * dD * max_of(pr.k), "dq");
+    check(got.dk, want.dk, group_rows, scale * group_rows * dD * max_of(pr.q), "dk");
+    check(got.dv, want.dv, group_rows, 0.0, "dv");
+    if (pr.has_bias) check(got.dbias, want.dbias, lk, scale * dD, "dbias");
   }
 }
 

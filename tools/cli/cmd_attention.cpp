@@ -116,7 +116,7 @@ void add_attention_command(CLI::App& app, attention_options& o) {
                 "cpu backend: fused (single pass) or three-stage (the paper's Q K^T + selection, softmax, "
                 "SpMM pipeline)")
       ->capture_default_str();
-  c->add_option("--isa", o.isa, "cpu backend instruction set: automatic, generic, portable or a SIMD target (sse4, avx2, avx3, neon, sve, sve2; `dfss info` lists this build's)")->capture_default_str();
+  c->add_option("--isa", o.isa, "cpu backend instruction set: automatic, generic, portable or a SIMD target (sse4, avx2, avx3, avx3_bf16, neon, sve, sve2; `dfss info` lists this build's)")->capture_default_str();
   c->add_option("--save-compressed", o.save_compressed,
                 "with --algorithm three-stage: write the compressed scores to PREFIX.values.npy (float32 "
                 "[B, H, Lq, ceil(Lk/M)*N]), PREFIX.indices.npy (int32) and, for 1:2 and 2:4, PREFIX.meta.npy "

@@ -62,7 +62,7 @@ void add_bench_command(CLI::App& app) {
                 "cpu algorithms: fused, three-stage (three-stage rows are made for sparse patterns only)")
       ->delimiter(',')
       ->capture_default_str();
-  c->add_option("--isa", o.isas, "fused-kernel ISAs: automatic, generic, portable or SIMD targets (sse4, avx2, avx3, neon, sve, sve2; a list compares them)")
+  c->add_option("--isa", o.isas, "fused-kernel ISAs: automatic, generic, portable or SIMD targets (sse4, avx2, avx3, avx3_bf16, neon, sve, sve2; a list compares them)")
       ->delimiter(',')
       ->capture_default_str();
   c->add_option("--batch", o.batch, "batch size")->capture_default_str();

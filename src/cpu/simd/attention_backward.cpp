@@ -407,7 +407,11 @@ class backward_pass : public kernel<T> {
   }
 };
 
-status backward_entry(const attention_params& p) {
+/// avx3_bf16 (@p t) runs the avx3 backward: 16-bit inputs are widened to fp32 as on every target.
+/// Its scores are still the avx3_bf16 forward's bit for bit (bf16_dot.hpp: the same FMA chain)
+/// except below 2^-126, so it keeps that forward's selection.
+status backward_entry(const attention_params& p, simd_target t) {
+  (void)t;
   if (!kernel<float>::fits_int32(p)) {
     return {status_code::unsupported, "dfss cpu simd backward: more than 2^31 packed key elements per head"};
   }
@@ -426,7 +430,7 @@ status backward_entry(const attention_params& p) {
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)
 
-status backward_entry(const attention_params&) {
+status backward_entry(const attention_params&, simd_target) {
   return {status_code::unsupported, "dfss cpu simd backward: no kernel for the baseline target"};
 }
 

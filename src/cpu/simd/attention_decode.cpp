@@ -520,7 +520,8 @@ class decode_pass : public kernel<T> {
   const bool dense_;   ///< N = M: every V row is read, so V is prefetched with K
 };
 
-status decode_entry(const attention_params& p) {
+/// The decode forward has one instance per Highway target (avx3_bf16 runs the avx3 one): @p t unused.
+status decode_entry(const attention_params& p, simd_target) {
   switch (p.input_type) {
     case dtype::f32: decode_pass<float>(p).run(); break;
     case dtype::f16: decode_pass<half>(p).run(); break;
@@ -534,7 +535,7 @@ status decode_entry(const attention_params& p) {
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)
 
-status decode_entry(const attention_params&) {
+status decode_entry(const attention_params&, simd_target) {
   return {status_code::unsupported, "dfss cpu simd decode forward: no kernel for the baseline target"};
 }
 

@@ -36,7 +36,12 @@ template <typename T>
 class forward_pass : public kernel<T> {
  public:
   using base = kernel<T>;
-  using base::base;
+  /// @p bf16_dot: run Q K^T and P V as bf16 dot products (the avx3_bf16 target, bf16 inputs only;
+  /// in other instances the flag is ignored).
+  forward_pass(const attention_params& p, bool bf16_dot)
+      : base(p, uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : kMinKeyTile), dot_(uses_dot(bf16_dot)) {}
+
+  static constexpr bool uses_dot(bool bf16_dot) { return DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16>; }
 
   void run() const {
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
@@ -45,7 +50,12 @@ class forward_pass : public kernel<T> {
     // each worker pack each (batch, kv head) once.
     parallel_for(
         tasks, p_.num_threads, p_.causal ? schedule::dynamic : schedule::contiguous,
-        [&] { this->reserve(worker_scratch<workspace>(), /*backward=*/false); },
+        [&] {
+          this->reserve(worker_scratch<workspace>(), /*backward=*/false);
+#if DFSS_SIMD_BF16_DOT
+          if (dot_) this->reserve_bf16(worker_scratch<workspace>());
+#endif
+        },
         [&](std::int64_t t) { task(worker_scratch<workspace>(), t, q_tiles); });
   }
 
@@ -60,6 +70,7 @@ class forward_pass : public kernel<T> {
   using base::scale_;
   using base::w_;
   using base::zero_row_;
+  const bool dot_;
 
   void task(workspace& ws, std::int64_t t, std::int64_t q_tiles) const {
     const std::int64_t qt = t % q_tiles;
@@ -69,13 +80,14 @@ class forward_pass : public kernel<T> {
     const std::int64_t i0 = qt * kRowsPerTask;
     const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
     const int rows_mk = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
-    this->pack_head(ws, b, hk);
+    pack(ws, b, hk);
 
     float* q = ws.q.ptr;
     ws.risky = ws.kv_risky || p_.bias != nullptr;
     for (int i = 0; i < rows_mk; ++i) {
       this->load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
       ws.risky = ws.risky || !this->row_is_tame(q + i * dp_);
+      if (dot_) pack_query_row(ws, q, i);
     }
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
     std::int64_t tile_end = 0;  // keys beyond the last visible key of any row of the task are skipped
@@ -87,7 +99,7 @@ class forward_pass : public kernel<T> {
     }
 
     for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
-      this->tile_product(q, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
+      scores(ws, rows_mk, j0);
       for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0);
     }
 
@@ -192,18 +204,59 @@ class forward_pass : public kernel<T> {
     sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_tile) : exp_kept<true>(cv, ci, kept, mx, masked_tile);
 
     // acc += p * V[index] over the kept keys (ci holds element offsets now).
+    values(ws, acc, kept, cv, ci);
+  }
+
+  // The three steps the avx3_bf16 forward does with bf16 dot products (bf16_dot.hpp); every other
+  // instance, and avx3_bf16 on f32 and f16 inputs, runs the fp32 code.
+
+  /// Packs K and V of (batch b, kv head hk) into the thread's scratch.
+  void pack(workspace& ws, std::int64_t b, std::int64_t hk) const {
+#if DFSS_SIMD_BF16_DOT
+    if (dot_) return this->pack_head_bf16(ws, b, hk);
+#endif
+    this->pack_head(ws, b, hk);
+  }
+
+  /// avx3_bf16: row @p i of the query tile (already in fp32 in ws.q) as bf16 column pairs.
+  void pack_query_row(workspace& ws, const float* q, int i) const {
+#if DFSS_SIMD_BF16_DOT
+    bf16dot::pack_query_row(q + i * dp_, dp_, ws.qb.ptr + i * (dp_ / 2));
+#else
+    (void)ws, (void)q, (void)i;
+#endif
+  }
+
+  /// S = Q K^T of the task's query tile and the key tile at @p j0, into ws.s.
+  void scores(workspace& ws, int rows_mk, std::int64_t j0) const {
+#if DFSS_SIMD_BF16_DOT
+    if (dot_) return bf16dot::qk_tile(ws.qb.ptr, rows_mk, dp_, ws.kb.ptr, j0, w_, ws.s.ptr);
+#endif
+    this->tile_product(ws.q.ptr, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
+  }
+
+  /// acc += p * V[offset] over the @p kept compacted weights @p cv and V element offsets @p ci.
+  /// avx3_bf16: p rounded to bf16 and V in bf16 (the row sum keeps the unrounded p, as GPU flash
+  /// attention does; docs/semantics.md, "Precision").
+  HWY_INLINE void values(workspace& ws, float* acc, int kept, const float* cv, const std::int32_t* ci) const {
+#if DFSS_SIMD_BF16_DOT
+    if (dot_) return bf16dot::pv_row(acc, dp_, kept, cv, ci, ws.vb.ptr);
+#endif
     const float* vp = ws.vp.ptr;
     add_row_combination(
         acc, dp_, kept, [cv](int t) { return cv[t]; }, [vp, ci](int t) { return vp + ci[t]; });
   }
 };
 
-status forward_entry(const attention_params& p) {
-  if (!kernel<float>::fits_int32(p)) return fused_forward_scalar(p);  // int32 offsets would overflow: the scalar twin
+status forward_entry(const attention_params& p, simd_target t) {
+  const bool dot = t == simd_target::avx3_bf16;
+  // int32 offsets would overflow: the scalar twin (with the key tile the call will use).
+  const int tile = forward_pass<bfloat16>::uses_dot(dot && p.input_type == dtype::bf16) ? kMinKeyTileBf16Dot : kMinKeyTile;
+  if (!kernel<float>::fits_int32(p, tile)) return fused_forward_scalar(p);
   switch (p.input_type) {
-    case dtype::f32: forward_pass<float>(p).run(); break;
-    case dtype::f16: forward_pass<half>(p).run(); break;
-    case dtype::bf16: forward_pass<bfloat16>(p).run(); break;
+    case dtype::f32: forward_pass<float>(p, dot).run(); break;
+    case dtype::f16: forward_pass<half>(p, dot).run(); break;
+    case dtype::bf16: forward_pass<bfloat16>(p, dot).run(); break;
     default:
       return {status_code::unsupported, std::string("dfss cpu simd fused forward: input type ") +
                                             dtype_name(p.input_type) + " (takes f32, f16, bf16)"};
@@ -213,7 +266,7 @@ status forward_entry(const attention_params& p) {
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)
 
-status forward_entry(const attention_params&) {
+status forward_entry(const attention_params&, simd_target) {
   return {status_code::unsupported, "dfss cpu simd fused forward: no kernel for the baseline target"};
 }
 

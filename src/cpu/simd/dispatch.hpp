@@ -21,6 +21,9 @@ inline std::int64_t target_bit(simd_target t) noexcept {
     case simd_target::sse4: return HWY_SSE4;
     case simd_target::avx2: return HWY_AVX2;
     case simd_target::avx3: return HWY_AVX3;
+#if defined(DFSS_HAVE_BF16_DOT)
+    case simd_target::avx3_bf16: return HWY_AVX3;  // the avx3 instance, with its bf16 dot loops
+#endif
 #endif
 #if HWY_ARCH_ARM
     case simd_target::neon: return HWY_NEON;
@@ -46,7 +49,8 @@ F dispatch_entry(F const (&table)[N], simd_target t) noexcept {
   }
 }
 
-/// Runs @p p on target @p t's entry of @p table (both directions' public entry points): an absent
+/// Runs @p p on target @p t's entry of @p table (both directions' public entry points; an entry
+/// takes the params and the target, so the avx3 instance knows when it runs as avx3_bf16): an absent
 /// target and an exception (out of memory for the packed keys and values, or anything else) become
 /// statuses naming @p what ("dfss cpu simd fused forward", ...).
 template <typename F, std::size_t N>
@@ -56,7 +60,7 @@ status run_on_target(F const (&table)[N], simd_target t, const attention_params&
     return {status_code::unsupported, std::string(what) + ": this build has no " + simd_target_name(t) + " kernel"};
   }
   try {
-    return fn(p);
+    return fn(p, t);
   } catch (const std::bad_alloc&) {
     return {status_code::internal, std::string(what) + ": out of memory for the packed keys and values"};
   } catch (const std::exception& e) {

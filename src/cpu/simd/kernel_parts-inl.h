@@ -33,6 +33,7 @@
 #include "cpu/fused_common.hpp"
 #include "cpu/scalar/attention.hpp"
 #include "cpu/parallel.hpp"
+#include "cpu/simd/bf16_dot.hpp"
 #include "cpu/simd/targets.hpp"
 #include "dfss/format/nm_select.hpp"
 #include "dfss/mask/visibility.hpp"
@@ -52,6 +53,12 @@ inline constexpr int kRowsPerTask = 32;
 /// K (16 KiB at d = 64) fit in L1 next to the S tile; 32 and 128 measured slower for dense at d = 64
 /// with the AVX2 kernel this one replaces.
 inline constexpr int kMinKeyTile = 64;
+/// The avx3_bf16 forward's minimum key tile: its Q K^T and P V run at about twice the fp32 rate,
+/// so the per-tile work of each row (horizontal max and sum, the rescale of the accumulator row)
+/// weighs twice as much; 128 keys halve it (K tile 16 KiB in bf16 at d = 64, as 64 fp32 keys).
+/// Measured (Zen 5, L = 2048, d = 64, 2 threads, bf16): 64 -> 128 took the 1:2 forward from 112 to
+/// 80 ms, 2:4 from 104 to 82, dense from 120 to 104; 256 measured the same as 128.
+inline constexpr int kMinKeyTileBf16Dot = 128;
 using fused::kDirectLseLimit;  // shared with the scalar twin (cpu/fused_common.hpp)
 using fused::kLn2;
 using fused::kLog2e;
@@ -60,9 +67,9 @@ inline constexpr std::size_t kAlign = 256;
 
 /// Key tile width for group size @p m and panel width @p panel: a multiple of the panel (the
 /// micro-kernel width) and of M (so groups never straddle tiles), at least kMinKeyTile.
-inline int key_tile_width(int m, int panel) {
+inline int key_tile_width(int m, int panel, int min_tile = kMinKeyTile) {
   const int l = m / std::gcd(m, panel) * panel;
-  return (kMinKeyTile + l - 1) / l * l;
+  return (min_tile + l - 1) / l * l;
 }
 
 /// kAlign-aligned scratch that only grows; consistent (empty) after a failed allocation.
@@ -98,6 +105,10 @@ struct workspace {
   // and scaled dS of one row, and the key-major P and scaled dS of one (row tile, key tile) block.
   aligned_buffer<float> kr, dk, dv, vt, dout, dps, row_d, row_lse2, comp_p, comp_ds, p_keys, ds_keys;
   aligned_buffer<float> dbias_acc;  ///< fp32 sum of a shared 16-bit dBias slice
+  // The avx3_bf16 forward (bf16_dot.hpp): K panels and the query tile as bf16 column pairs, V rows
+  // in bf16 (in pack_value_row's column order).
+  aligned_buffer<std::uint32_t> kb, qb;
+  aligned_buffer<std::uint16_t> vb;
 };
 
 /// The generic N:M selection, called out of line (compiled once, without any target's flags).
@@ -124,6 +135,15 @@ using VI = hn::Vec<DI>;
 #define DFSS_SIMD_KERNEL_TARGET 0
 #else
 #define DFSS_SIMD_KERNEL_TARGET 1
+#endif
+
+/// Whether this instance has the avx3_bf16 loops (bf16_dot.hpp): the AVX3 instance of a build whose
+/// compiler has AVX512_BF16. The loops themselves run only when the selector picked avx3_bf16.
+#undef DFSS_SIMD_BF16_DOT
+#if DFSS_SIMD_KERNEL_TARGET && HWY_TARGET == HWY_AVX3 && defined(DFSS_HAVE_BF16_DOT)
+#define DFSS_SIMD_BF16_DOT 1
+#else
+#define DFSS_SIMD_BF16_DOT 0
 #endif
 
 #if DFSS_SIMD_KERNEL_TARGET
@@ -353,13 +373,14 @@ HWY_INLINE VF promote_f16(DH dh, const hwy::float16_t* HWY_RESTRICT src) {
 /// Shared state and code of the forward and backward of one call, for input element type T.
 template <typename T>
 struct kernel {
-  explicit kernel(const attention_params& p)
+  /// @p min_tile: the minimum key tile width (kMinKeyTile, or kMinKeyTileBf16Dot).
+  explicit kernel(const attention_params& p, int min_tile = kMinKeyTile)
       : p_(p),
         d_(static_cast<int>(p.head_dim)),
         lanes_(static_cast<int>(hn::Lanes(DF()))),
         panel_(2 * lanes_),
         dp_((d_ + lanes_ - 1) / lanes_ * lanes_),
-        w_(key_tile_width(p.pattern_m, panel_)),
+        w_(key_tile_width(p.pattern_m, panel_, min_tile)),
         lk_pad_((p.seqlen_k + w_ - 1) / w_ * w_),
         zero_row_(static_cast<std::int32_t>(lk_pad_)),
         scale_(static_cast<float>(p.scale)),
@@ -368,10 +389,10 @@ struct kernel {
         group_(p.heads / p.heads_kv) {}
 
   /// Whether the packed V fits int32 element offsets (the compacted key indices become offsets).
-  static bool fits_int32(const attention_params& p) {
+  static bool fits_int32(const attention_params& p, int min_tile = kMinKeyTile) {
     const int lanes = static_cast<int>(hn::Lanes(DF()));
     const std::int64_t dp = (p.head_dim + lanes - 1) / lanes * lanes;
-    const std::int64_t w = key_tile_width(p.pattern_m, 2 * lanes);
+    const std::int64_t w = key_tile_width(p.pattern_m, 2 * lanes, min_tile);
     return (p.seqlen_k + 2 * w + 1) * dp <= std::numeric_limits<std::int32_t>::max();
   }
 
@@ -488,6 +509,43 @@ struct kernel {
     ws.packed_hk = hk;
     ws.packed_for = &p_;
   }
+
+#if DFSS_SIMD_BF16_DOT
+  /// pack_head for the avx3_bf16 forward: K as panels of bf16 column pairs, V as bf16 rows (the
+  /// same key and value rows as pack_head, the same risky flag), nothing in fp32.
+  void pack_head_bf16(workspace& ws, std::int64_t b, std::int64_t hk) const {
+    static_assert(2 * HWY_LANES(float) == bf16dot::kPanel && kMicroRows == bf16dot::kRows,
+                  "the bf16 loops keep the AVX3 panel and micro-kernel shape");
+    if (ws.packed_for == &p_ && ws.packed_b == b && ws.packed_hk == hk) return;
+    const std::int64_t lk = p_.seqlen_k;
+    float* rows = ws.pack.ptr;
+    bool risky = false;
+    for (std::int64_t blk = 0; blk < lk_pad_ / panel_; ++blk) {
+      for (int t = 0; t < panel_; ++t) {
+        const std::int64_t j = blk * panel_ + t;
+        load_row(p_.k, p_.k_stride, b, j, hk, j < lk, rows + t * dp_);
+        risky |= !row_is_tame(rows + t * dp_);
+      }
+      bf16dot::pack_key_panel(rows, dp_, ws.kb.ptr + blk * (dp_ / 2) * panel_);
+    }
+    for (std::int64_t j = 0; j <= lk_pad_; ++j) {
+      load_row(p_.v, p_.v_stride, b, j, hk, j < lk, rows);
+      risky |= !row_is_tame(rows);
+      bf16dot::pack_value_row(rows, dp_, ws.vb.ptr + j * dp_);
+    }
+    ws.kv_risky = risky;
+    ws.packed_b = b;
+    ws.packed_hk = hk;
+    ws.packed_for = &p_;
+  }
+
+  /// Sizes the avx3_bf16 forward's scratch (after reserve).
+  void reserve_bf16(workspace& ws) const {
+    ws.kb.resize(static_cast<std::size_t>((lk_pad_ / panel_) * (dp_ / 2) * panel_));
+    ws.vb.resize(static_cast<std::size_t>((lk_pad_ + 1) * dp_));
+    ws.qb.resize(static_cast<std::size_t>(kRowsPerTask * dp_ / 2));
+  }
+#endif
 
   /// S = X Kt for rows [0, rows) of the tile @p x (row stride dp, rows padded to a multiple of
   /// kMicroRows with zeros) against the key tile at j0 of the panels @p panels, into @p s (row

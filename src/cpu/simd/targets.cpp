@@ -2,6 +2,7 @@
 // between dfss::cpu_isa values and targets.
 #include "cpu/simd/targets.hpp"  // first: it fixes the compiled targets
 
+#include "core/cpu_features.hpp"
 #include "cpu/simd/dispatch.hpp"
 #include "hwy/targets.h"
 
@@ -15,6 +16,7 @@ const char* simd_target_name(simd_target t) noexcept {
     case simd_target::neon: return "neon";
     case simd_target::sve: return "sve";
     case simd_target::sve2: return "sve2";
+    case simd_target::avx3_bf16: return "avx3_bf16";
   }
   return "unknown";
 }
@@ -22,7 +24,7 @@ const char* simd_target_name(simd_target t) noexcept {
 std::vector<simd_target> compiled_simd_targets() {
   std::vector<simd_target> out;
   // Best first: Highway's lower bits are the better targets.
-  for (simd_target t : {simd_target::avx3, simd_target::avx2, simd_target::sse4, simd_target::sve2, simd_target::sve,
+  for (simd_target t : {simd_target::avx3_bf16, simd_target::avx3, simd_target::avx2, simd_target::sse4, simd_target::sve2, simd_target::sve,
                         simd_target::neon}) {
     const std::int64_t bit = simd::target_bit(t);
     if (bit != 0 && (HWY_TARGETS & bit) != 0) out.push_back(t);
@@ -32,7 +34,9 @@ std::vector<simd_target> compiled_simd_targets() {
 
 bool simd_target_supported(simd_target t) noexcept {
   const std::int64_t bit = simd::target_bit(t);
-  return bit != 0 && (HWY_TARGETS & bit) != 0 && (hwy::SupportedTargets() & bit) != 0;
+  const bool runs = bit != 0 && (HWY_TARGETS & bit) != 0 && (hwy::SupportedTargets() & bit) != 0;
+  // avx3_bf16: the avx3 instance plus the vdpbf16ps loops, which need the CPU's AVX512_BF16.
+  return runs && (t != simd_target::avx3_bf16 || core::cpu_has(core::cpu_feature::avx512bf16));
 }
 
 std::optional<simd_target> simd_target_of(cpu_isa isa) noexcept {
@@ -55,6 +59,7 @@ std::optional<simd_target> simd_target_of(cpu_isa isa) noexcept {
     case cpu_isa::neon: return simd_target::neon;
     case cpu_isa::sve: return simd_target::sve;
     case cpu_isa::sve2: return simd_target::sve2;
+    case cpu_isa::avx3_bf16: return simd_target::avx3_bf16;
   }
   return std::nullopt;
 }
@@ -67,6 +72,7 @@ cpu_isa cpu_isa_of(simd_target t) noexcept {
     case simd_target::neon: return cpu_isa::neon;
     case simd_target::sve: return cpu_isa::sve;
     case simd_target::sve2: return cpu_isa::sve2;
+    case simd_target::avx3_bf16: return cpu_isa::avx3_bf16;
   }
   return cpu_isa::generic;
 }

@@ -29,9 +29,14 @@
 namespace dfss::cpu {
 
 /// A Highway target of the SIMD kernels (lower-case Highway names: "sse4", "avx2", ...).
-enum class simd_target : int { sse4, avx2, avx3, neon, sve, sve2 };
+/// avx3_bf16 is not a Highway target of its own (Highway 1.0.3 has none with AVX512_BF16): it runs
+/// the avx3 instance, whose bf16 forward then takes the vdpbf16ps loops of bf16_dot.hpp. It is
+/// compiled where the compiler has -mavx512bf16 (DFSS_HAVE_BF16_DOT) and supported where the CPU
+/// also reports AVX512_BF16.
+enum class simd_target : int { sse4, avx2, avx3, neon, sve, sve2, avx3_bf16 };
 
-/// @brief Highway's lower-case name of @p t ("sse4", "avx2", "avx3", "neon", "sve", "sve2").
+/// @brief Highway's lower-case name of @p t ("sse4", "avx2", "avx3", "neon", "sve", "sve2"), or
+/// "avx3_bf16".
 const char* simd_target_name(simd_target t) noexcept;
 
 /// @brief The targets this build compiled, best first.

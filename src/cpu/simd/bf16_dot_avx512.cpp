@@ -1,0 +1,187 @@
+// The avx3_bf16 target's bf16 dot-product loops (bf16_dot.hpp): compiled with AVX-512 F/BW/DQ/VL
+// and AVX512_BF16 (src/CMakeLists.txt), called only when the selector picked avx3_bf16, which
+// needs a CPU that reports AVX512_BF16. Everything here is internal or declared in bf16_dot.hpp
+// (no inline function shared with other translation units, see there).
+#include "cpu/simd/bf16_dot.hpp"
+
+#include <immintrin.h>
+
+namespace dfss::cpu::bf16dot {
+namespace {
+
+__m512bh as_bh(__m512i x) noexcept { return __builtin_bit_cast(__m512bh, x); }
+__m256bh as_bh(__m256i x) noexcept { return __builtin_bit_cast(__m256bh, x); }
+
+/// The bf16 bits of an fp32 that holds a bf16 value exactly (it was widened from bf16).
+std::uint32_t bf16_bits(float x) noexcept {
+  std::uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  return u >> 16;
+}
+
+std::uint32_t column_pair(const float* row, int c) noexcept { return bf16_bits(row[c]) << 16 | bf16_bits(row[c + 1]); }
+
+/// S[kRows][kPanel] (row stride lds) = Q rows (column pairs, row stride dpp) x one key panel:
+/// 16 accumulators, two panel vectors and one broadcast, as the fp32 AVX3 micro-kernel.
+void microkernel(const std::uint32_t* q, int dpp, const std::uint32_t* kt, float* s, int lds) noexcept {
+  __m512 c0[kRows], c1[kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  for (int cp = 0; cp < dpp; ++cp) {
+    const __m512bh b0 = as_bh(_mm512_load_si512(kt + cp * kPanel));
+    const __m512bh b1 = as_bh(_mm512_load_si512(kt + cp * kPanel + 16));
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * dpp + cp])));
+      c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(s + r * lds, c0[r]);
+    _mm512_storeu_ps(s + r * lds + 16, c1[r]);
+  }
+}
+
+/// pv_row on NB blocks of 32 columns and, with TAIL, one more of 16 (at most 128 columns: 8
+/// accumulators). A pair of keys (a, b) per step: one 512-bit load of 32 bf16 of each row,
+/// unpacklo/hi_epi16 interleave them into (v_a[c], v_b[c]) lanes (in the column order
+/// pack_value_row prepared), one vdpbf16ps per 16 columns against the broadcast weight pair
+/// (p_a, p_b). Where fewer than 8 accumulators hold the chunk (d <= 64), two sets alternate
+/// between pairs and are summed at the end, so that vdpbf16ps's latency does not stall 4 chains of
+/// dependent updates: measured (perf, Zen 5, L = 2048, 1:2, one thread) P V went from 1.47x to
+/// 1.07x the Q K^T micro-kernel's time at d = 64; at d = 128 (8 chains already) two sets were
+/// slower (1.43x against 1.17x). Interleaving by shifts and 16-bit blends instead of unpacks (no
+/// shuffle port) measured slower too (1.24x at d = 64, 1.30x at d = 128).
+template <int NB, bool TAIL>
+void pv_chunk(float* acc, int n, const float* p, const std::int32_t* off, const std::uint16_t* v) noexcept {
+  constexpr int kSets = NB <= 2 ? 2 : 1;
+  constexpr int kB = NB > 0 ? NB : 1;
+  __m512 lo[kSets][kB], hi[kSets][kB];
+  __m256 tlo[kSets], thi[kSets];
+#pragma GCC unroll 2
+  for (int g = 0; g < kSets; ++g) {
+#pragma GCC unroll 4
+    for (int k = 0; k < NB; ++k) {
+      lo[g][k] = g == 0 ? _mm512_loadu_ps(acc + 32 * k) : _mm512_setzero_ps();
+      hi[g][k] = g == 0 ? _mm512_loadu_ps(acc + 32 * k + 16) : _mm512_setzero_ps();
+    }
+    if constexpr (TAIL) {
+      tlo[g] = g == 0 ? _mm256_loadu_ps(acc + 32 * NB) : _mm256_setzero_ps();
+      thi[g] = g == 0 ? _mm256_loadu_ps(acc + 32 * NB + 8) : _mm256_setzero_ps();
+    }
+  }
+  const auto step = [&](int g, std::uint32_t weights, const std::uint16_t* a, const std::uint16_t* b) {
+    const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(weights)));
+#pragma GCC unroll 4
+    for (int k = 0; k < NB; ++k) {
+      const __m512i x = _mm512_loadu_si512(a + 32 * k);
+      const __m512i y = _mm512_loadu_si512(b + 32 * k);
+      lo[g][k] = _mm512_dpbf16_ps(lo[g][k], w, as_bh(_mm512_unpacklo_epi16(x, y)));
+      hi[g][k] = _mm512_dpbf16_ps(hi[g][k], w, as_bh(_mm512_unpackhi_epi16(x, y)));
+    }
+    if constexpr (TAIL) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * NB));
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * NB));
+      const __m256bh w8 = as_bh(_mm256_set1_epi32(static_cast<int>(weights)));
+      tlo[g] = _mm256_dpbf16_ps(tlo[g], w8, as_bh(_mm256_unpacklo_epi16(x, y)));
+      thi[g] = _mm256_dpbf16_ps(thi[g], w8, as_bh(_mm256_unpackhi_epi16(x, y)));
+    }
+  };
+  alignas(32) std::uint32_t w[8];
+  for (int t = 0; t < n; t += 16) {
+    // 16 weights rounded to bf16 (round to nearest even; they lie in [0, 1]): 8 pairs (p_t in the
+    // low half, with key t's value in the even lanes that unpacklo/hi put first).
+    const int left = n - t < 16 ? n - t : 16;
+    const __mmask16 m = static_cast<__mmask16>((1u << left) - 1u);
+    const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + t));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w), __builtin_bit_cast(__m256i, pb));
+    const int pairs = left / 2;
+    int u = 0;
+    for (; u + kSets <= pairs; u += kSets) {
+#pragma GCC unroll 2
+      for (int g = 0; g < kSets; ++g) step(g, w[u + g], v + off[t + 2 * (u + g)], v + off[t + 2 * (u + g) + 1]);
+    }
+    for (; u < pairs; ++u) step(0, w[u], v + off[t + 2 * u], v + off[t + 2 * u + 1]);
+  }
+  if constexpr (kSets == 2) {
+#pragma GCC unroll 4
+    for (int k = 0; k < NB; ++k) {
+      lo[0][k] = _mm512_add_ps(lo[0][k], lo[1][k]);
+      hi[0][k] = _mm512_add_ps(hi[0][k], hi[1][k]);
+    }
+    if constexpr (TAIL) {
+      tlo[0] = _mm256_add_ps(tlo[0], tlo[1]);
+      thi[0] = _mm256_add_ps(thi[0], thi[1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < NB; ++k) {
+    _mm512_storeu_ps(acc + 32 * k, lo[0][k]);
+    _mm512_storeu_ps(acc + 32 * k + 16, hi[0][k]);
+  }
+  if constexpr (TAIL) {
+    _mm256_storeu_ps(acc + 32 * NB, tlo[0]);
+    _mm256_storeu_ps(acc + 32 * NB + 8, thi[0]);
+  }
+}
+
+}  // namespace
+
+void pack_query_row(const float* row, int dp, std::uint32_t* out) noexcept {
+  for (int c = 0; c < dp; c += 2) out[c / 2] = column_pair(row, c);
+}
+
+void pack_key_panel(const float* rows, int dp, std::uint32_t* panel) noexcept {
+  for (int c = 0; c < dp; c += 2) {
+    for (int t = 0; t < kPanel; ++t) panel[(c / 2) * kPanel + t] = column_pair(rows + t * dp, c);
+  }
+}
+
+void pack_value_row(const float* row, int dp, std::uint16_t* out) noexcept {
+  // unpacklo_epi16 takes words 0-3 of each 128-bit block (8 bf16) of both rows, unpackhi words
+  // 4-7; so lane 4k + i of the "lo" result reads position 8k + i, and the lo result covers the
+  // block's first h columns in order when position 8k + i holds column 4k + i (hi: h + 4k + i).
+  for (int c0 = 0; c0 < dp; c0 += 32) {
+    const int h = dp - c0 >= 32 ? 16 : 8;
+    for (int k = 0; k < h / 4; ++k) {
+      for (int i = 0; i < 4; ++i) {
+        out[c0 + 8 * k + i] = static_cast<std::uint16_t>(bf16_bits(row[c0 + 4 * k + i]));
+        out[c0 + 8 * k + 4 + i] = static_cast<std::uint16_t>(bf16_bits(row[c0 + h + 4 * k + i]));
+      }
+    }
+  }
+}
+
+void qk_tile(const std::uint32_t* q, int rows, int dp, const std::uint32_t* panels, std::int64_t j0, int w,
+             float* s) noexcept {
+  const int dpp = dp / 2;
+  for (int i = 0; i < rows; i += kRows) {
+    for (int jb = 0; jb < w; jb += kPanel) {
+      microkernel(q + i * dpp, dpp, panels + ((j0 + jb) / kPanel) * dpp * kPanel, s + i * w + jb, w);
+    }
+  }
+}
+
+void pv_row(float* acc, int dp, int n, const float* p, const std::int32_t* off, const std::uint16_t* v) noexcept {
+  // Chunks of up to 128 columns (8 accumulators of the 32 registers, plus two rows and their
+  // interleavings); dp is a multiple of 16.
+  for (int c0 = 0; c0 < dp; c0 += 128) {
+    const int left = dp - c0;
+    const std::uint16_t* vc = v + c0;
+    float* a = acc + c0;
+    switch (left >= 128 ? 8 : left / 16) {
+      case 1: pv_chunk<0, true>(a, n, p, off, vc); break;
+      case 2: pv_chunk<1, false>(a, n, p, off, vc); break;
+      case 3: pv_chunk<1, true>(a, n, p, off, vc); break;
+      case 4: pv_chunk<2, false>(a, n, p, off, vc); break;
+      case 5: pv_chunk<2, true>(a, n, p, off, vc); break;
+      case 6: pv_chunk<3, false>(a, n, p, off, vc); break;
+      case 7: pv_chunk<3, true>(a, n, p, off, vc); break;
+      default: pv_chunk<4, false>(a, n, p, off, vc); break;
+    }
+  }
+}
+
+}  // namespace dfss::cpu::bf16dot

@@ -252,5 +252,51 @@ TEST(CpuDecode, PositionsAndWindowsAcrossChunks) {
   }
 }
 
+TEST(CpuDecode, DirectAndPanelTilesInOneTask) {
+  // The decode kernel reads tame tiles straight from the cache (dot products) and takes the fused
+  // forward's panel path for a tile with a K value beyond 2^50 or non-finite; one task here meets
+  // both, in both orders: batch 0's kv head 0 has a huge finite key (2^60 times small integers,
+  // exact in fp32, so its score dominates every row of the group that keeps it) in the middle of its
+  // cache and a NaN in its last key (seen by the last query row only, under the causal mask: that
+  // row is NaN, the other is not), and batch 1's cache holds NaN past
+  // its length, in K and V (never read: no NaN may reach its rows). Against the fp64 reference, with
+  // 1 and 3 threads bitwise alike, for d = 64 (a multiple of every target's vector: direct tiles)
+  // and each pattern.
+  std::mt19937_64 rng(test_seed() + 105);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{4, 4}}) {
+    shape s{2, 2, 3001, 8, 2, 64, true, false, {3001, 1999}};
+    problem pr = make_problem(s, pat, rng, /*integers=*/true);
+    const auto kv_at = [&pr](std::int64_t b, std::int64_t j, std::int64_t hk, std::int64_t c) {
+      return static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + hk) * pr.d + c);
+    };
+    for (std::int64_t c = 0; c < pr.d; ++c) {
+      pr.k[kv_at(0, 1500, 0, c)] *= 0x1p60;
+      if (c == 3) pr.k[kv_at(0, 3000, 0, c)] = nan;  // visible to the last row only (causal)
+      for (std::int64_t j = 1999; j < pr.Lk; ++j) {
+        for (std::int64_t hk = 0; hk < pr.Hkv; ++hk) pr.k[kv_at(1, j, hk, c)] = pr.v[kv_at(1, j, hk, c)] = nan;
+      }
+    }
+    const auto want = run_forward(pr);
+    for (cpu_isa isa : runnable_cpu_isas()) {
+      run_options opt;
+      opt.type = dtype::f32;
+      opt.backend = backend::cpu;
+      opt.isa = isa;
+      opt.threads = 1;
+      const auto one = run_forward(pr, opt);
+      double err = 0;
+      for (std::size_t x = 0; x < one.o.size(); ++x) {
+        ASSERT_EQ(std::isnan(one.o[x]), std::isnan(want.o[x])) << label(pr, isa, dtype::f32) << " at " << x;
+        if (!std::isnan(want.o[x])) err = std::max(err, std::abs(one.o[x] - want.o[x]));
+      }
+      EXPECT_LE(err, output_tol(pr)) << label(pr, isa, dtype::f32);
+      opt.threads = 3;
+      const auto many = run_forward(pr, opt);
+      EXPECT_EQ(0, std::memcmp(many.o.data(), one.o.data(), one.o.size() * sizeof(double))) << label(pr, isa, dtype::f32);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dfss::testing

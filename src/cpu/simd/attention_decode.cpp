@@ -7,16 +7,23 @@
 // again) and B * H tasks may not fill the threads. Here a task is (batch, kv head, key chunk):
 //   1. The Q rows of every query head of the group and every query row (group * Lq rows) are loaded
 //      once per task.
-//   2. Per key tile of W keys of the chunk: the tile of K is converted into the micro-kernel's panels
-//      (read once, for all the rows of the group), S = Q K^T with the fused forward's micro-kernel
-//      (same summation order, so the scores are bitwise those of the fused forward and the
-//      selection is identical), then per row bias, masks (key_limit), NaN / +inf detection and the
-//      N:M selection with compaction (kernel<T>::compact, the fused forward's code), and the online
-//      softmax update of the row.
+//   2. Per key tile of W keys of the chunk, S = Q K^T by one of two paths:
+//      - direct (rows of K and V contiguous, d a multiple of the vector, every K value of the tile
+//        tame): each key's row is read straight from the cache in address order and dotted with
+//        every row of the group (a vector of partial sums, then the sum of its lanes). Bound by the
+//        memory's rate: with both threads busy it reads the cache at about 90% of a plain sweep.
+//      - panel (anything else: a huge or non-finite K value, a risky Q or bias, strided rows): the
+//        tile of K is converted into the micro-kernel's panels and S computed with the fused
+//        forward's micro-kernel (same summation order, so these scores are bitwise the fused
+//        forward's), with software prefetch of the next tile.
+//      Then per row bias, masks (key_limit), NaN / +inf detection and the N:M selection with
+//      compaction (kernel<T>::compact, the fused forward's code), and the online softmax update.
+//      The direct path sums in another order than the fused forward, so where two scores of a group
+//      are within rounding of each other the two kernels may keep different keys.
 //   3. The V rows of the tile are read only where some row of the group kept the key with a finite
-//      score (the union over the group's heads and rows), then acc += p * V[key] per row over its
-//      kept keys. Software-pipelined: those V rows are prefetched when the tile's selection is
-//      known and read after the next tile's scores (a dense pattern's V is prefetched with K).
+//      score: a direct tile reads them from the cache while it adds p * V[key] row by row; a panel
+//      tile converts the union of kept rows once into scratch (prefetched when the tile's selection
+//      is known, read after the next tile's scores; a dense pattern's V is prefetched with K).
 // Each task leaves its rows' partial state (max m_c, sum l_c, unnormalised accumulator, NaN flag).
 // The task that finishes the last chunk of a (batch, kv head) folds its chunks in increasing order
 // with the online softmax rescale (the same update the forward applies between key tiles): m = max(m, m_c),
@@ -125,6 +132,7 @@ HWY_INLINE void store_blocks(D d, hn::Vec<D> v, float* dst, std::int64_t stride)
 struct decode_workspace {
   aligned_buffer<float> q, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
+  bool direct[2] = {false, false};  ///< per slot set (parity): the tile took the direct path
 };
 
 template <typename T>
@@ -139,7 +147,8 @@ class decode_pass : public kernel<T> {
         chunk_(decode_chunk_keys(p, w_)),
         chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)),
         cstride_(w_ + 2 * lanes_),
-        dense_(p.pattern_n == p.pattern_m) {}
+        dense_(p.pattern_n == p.pattern_m),
+        direct_(!HWY_HAVE_SCALABLE && d_ % lanes_ == 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1) {}
 
   void run() const {
     const std::int64_t pairs = p_.batch * p_.heads_kv;
@@ -279,30 +288,16 @@ class decode_pass : public kernel<T> {
 #endif
   }
 
-  /// Tile j0, first half: K converted into panels (the next tile's K prefetched), S = Q K^T, and per
-  /// row bias, masks, NaN detection and the N:M selection into the compacted slots of @p parity,
+  /// Tile j0, first half: S = Q K^T (direct_scores, else panel_scores; which one is recorded for
+  /// the slots of @p parity), and per row bias, masks, NaN detection and the N:M selection into the
+  /// compacted slots of @p parity,
   /// with the tile's maximum in row_tile_max (-inf: nothing kept, or the tile is past the row's keys).
   void select_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0,
                    std::int64_t j_end, std::int64_t tile_end, bool q_risky) const {
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    // K of the tile in panels (the fused forward's layout). Keys at or past tile_end are zeros: every
-    // row masks them, and a padded cache's garbage there must not flag the tile as risky.
     bool risky = q_risky;
-    float* rows = ws.rows.ptr;
-    for (int blk = 0; blk < w_ / panel_; ++blk) {
-      for (int t = 0; t < panel_; ++t) {
-        const std::int64_t j = j0 + blk * panel_ + t;
-        if (j + kPrefetchTiles * w_ < j_end) {
-          prefetch_row(p_.k, p_.k_stride, b, j + kPrefetchTiles * w_, hk);
-          // Dense attention reads every V row: prefetched as far ahead as K.
-          if (dense_) prefetch_row(p_.v, p_.v_stride, b, j + kPrefetchTiles * w_, hk);
-        }
-        this->load_row(p_.k, p_.k_stride, b, j, hk, j < tile_end, rows + t * dp_);
-        risky = risky || !this->row_is_tame(rows + t * dp_);
-      }
-      transpose_panel(rows, ws.kt.ptr + static_cast<std::int64_t>(blk) * dp_ * panel_);
-    }
-    scores(ws.q.ptr, ws.kt.ptr, ws.s.ptr);
+    ws.direct[parity] = direct_ && !q_risky && direct_scores(ws, b, hk, j0, tile_end);
+    if (!ws.direct[parity]) panel_scores(ws, b, hk, j0, j_end, tile_end, risky);
 
     for (int r = 0; r < rows_; ++r) {
       const std::int64_t qi = row_of(r), h = head_of(hk, r);
@@ -321,6 +316,132 @@ class decode_pass : public kernel<T> {
                            mask::shifted(core::whole_groups(p_, b, qi), j0));
       if (tile_max == neg_inf) kept = 0;
     }
+  }
+
+  /// S of tile j0 by the panel path: K converted into the fused forward's panels (the next tile's K
+  /// prefetched), then the fused forward's micro-kernel, so the scores are bitwise the fused
+  /// forward's; @p risky also records whether some K row is not tame. Keys at or past tile_end are
+  /// zeros: every row masks them, and a padded cache's garbage there must not flag the tile as risky.
+  void panel_scores(decode_workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t j0, std::int64_t j_end,
+                    std::int64_t tile_end, bool& risky) const {
+    float* rows = ws.rows.ptr;
+    for (int blk = 0; blk < w_ / panel_; ++blk) {
+      for (int t = 0; t < panel_; ++t) {
+        const std::int64_t j = j0 + blk * panel_ + t;
+        if (j + kPrefetchTiles * w_ < j_end) {
+          prefetch_row(p_.k, p_.k_stride, b, j + kPrefetchTiles * w_, hk);
+          // Dense attention reads every V row: prefetched as far ahead as K.
+          if (dense_) prefetch_row(p_.v, p_.v_stride, b, j + kPrefetchTiles * w_, hk);
+        }
+        this->load_row(p_.k, p_.k_stride, b, j, hk, j < tile_end, rows + t * dp_);
+        risky = risky || !this->row_is_tame(rows + t * dp_);
+      }
+      transpose_panel(rows, ws.kt.ptr + static_cast<std::int64_t>(blk) * dp_ * panel_);
+    }
+    scores(ws.q.ptr, ws.kt.ptr, ws.s.ptr);
+  }
+
+#if !HWY_HAVE_SCALABLE
+  /// One vector of @p src (T, contiguous) as fp32.
+  static HWY_INLINE VF load_value(const T* src) {
+    const DF d;
+    if constexpr (std::is_same_v<T, float>) {
+      return hn::LoadU(d, src);
+    } else if constexpr (std::is_same_v<T, half>) {
+      return promote_f16(hn::Rebind<hwy::float16_t, DF>(), reinterpret_cast<const hwy::float16_t*>(src));
+    } else {
+      const hn::Rebind<hwy::bfloat16_t, DF> dh;
+      return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(src)));
+    }
+  }
+
+  /// Scores of R task rows (Q at @p q, row stride dp) against the @p keys cache rows k + t * step,
+  /// into s[r * W + t]: per (row, key) one vector of partial sums over the columns in vector steps,
+  /// in increasing order, then the sum of its lanes. A key's row is read whole before the next
+  /// key's, so the loads run in address order: interleaving the rows of a few keys (more
+  /// independent FMA chains) made the hardware prefetcher lose the stream, 19 against 30 GB/s on one
+  /// Zen 5 core. NV: vectors per row (0: d / lanes at run time). With Check, also whether every
+  /// value of those K rows is tame (|x| <= 2^50, row_is_tame's test, done on the bits so that NaN
+  /// and inf compare above every finite magnitude).
+  template <int R, int NV, bool Check>
+  HWY_INLINE bool dot_tile(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k, std::int64_t step, int keys,
+                           float* HWY_RESTRICT s) const {
+    const DF d;
+    const DI di;
+    const int nv = NV > 0 ? NV : d_ / lanes_;
+    const VI magnitude = hn::Set(di, 0x7fffffff);
+    VI top = hn::Zero(di);
+    for (int t = 0; t < keys; ++t) {
+      const T* row = k + t * step;
+      VF a[R];
+      for (int r = 0; r < R; ++r) a[r] = hn::Zero(d);
+      for (int c = 0; c < nv; ++c) {
+        const VF kc = load_value(row + c * lanes_);
+        if constexpr (Check) top = hn::Max(top, hn::And(hn::BitCast(di, kc), magnitude));
+        for (int r = 0; r < R; ++r) {
+          a[r] = hn::MulAdd(hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * lanes_), kc, a[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) s[static_cast<std::int64_t>(r) * w_ + t] = hn::GetLane(hn::SumOfLanes(d, a[r]));
+    }
+    if constexpr (!Check) return true;
+    const VI above = hn::Set(di, 0x58800001);  // the bits of 2^50, plus one
+    return hn::AllTrue(di, hn::Lt(top, above));
+  }
+
+  /// dot_tile for @p rows = 1, 2 or 4 rows, with the vectors per row dispatched.
+  template <bool Check>
+  bool dot_rows(int rows, const float* q, const T* k, std::int64_t step, int keys, float* s) const {
+    const int nv = d_ / lanes_;
+#define DFSS_DOT_TILE(R)                                                        \
+  switch (nv) {                                                                 \
+    case 4: return dot_tile<R, 4, Check>(q, k, step, keys, s);                  \
+    case 8: return dot_tile<R, 8, Check>(q, k, step, keys, s);                  \
+    case 16: return dot_tile<R, 16, Check>(q, k, step, keys, s);                \
+    default: return dot_tile<R, 0, Check>(q, k, step, keys, s);                 \
+  }
+    if (rows >= 4) {
+      DFSS_DOT_TILE(4)
+    } else if (rows >= 2) {
+      DFSS_DOT_TILE(2)
+    } else {
+      DFSS_DOT_TILE(1)
+    }
+#undef DFSS_DOT_TILE
+  }
+#endif
+
+  /// S of tile j0 by the direct path: each key's row is read straight from the cache, once and in
+  /// address order, and dotted with every task row (dot_rows). That is the order the hardware
+  /// prefetcher streams at the memory's rate: the panel path (a copy and a transpose per key, and
+  /// software prefetch to make up for it) read the cache at 30-49% of a plain sweep on one thread.
+  /// The scores differ from the fused forward's in rounding (another summation order), so the
+  /// selection may differ from it where two scores of a group are within rounding of each other.
+  /// Returns false, leaving the tile to the panel path, where some K row of the tile is not tame:
+  /// the non-finite and overflow cases are handled there, as in the fused forward.
+  bool direct_scores(decode_workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t j0,
+                     std::int64_t tile_end) const {
+#if !HWY_HAVE_SCALABLE
+    const int keys = static_cast<int>(std::min<std::int64_t>(w_, tile_end - j0));
+    const T* k = static_cast<const T*>(p_.k) + core::offset4(p_.k_stride, b, j0, hk, 0);
+    const std::int64_t step = p_.k_stride[1];
+    // Rows in blocks of 4, 2 or 1. The first block checks the tile's K rows as they stream in; the
+    // others read them from L1.
+    const auto block = [](int left) { return left >= 4 ? 4 : (left >= 2 ? 2 : 1); };
+    int r = block(rows_);
+    if (!dot_rows<true>(r, ws.q.ptr, k, step, keys, ws.s.ptr)) return false;
+    while (r < rows_) {
+      const int n = block(rows_ - r);
+      dot_rows<false>(n, ws.q.ptr + static_cast<std::int64_t>(r) * dp_, k, step, keys, ws.s.ptr + static_cast<std::int64_t>(r) * w_);
+      r += n;
+    }
+    // Keys at or past tile_end are masked for every row (the panel path's zero rows).
+    for (int rr = 0; rr < rows_; ++rr) std::fill(ws.s.ptr + static_cast<std::int64_t>(rr) * w_ + keys, ws.s.ptr + static_cast<std::int64_t>(rr + 1) * w_, 0.0f);
+    return true;
+#else
+    (void)ws, (void)b, (void)hk, (void)j0, (void)tile_end;
+    return false;
+#endif
   }
 
   /// Tile j0, second half (after the previous tile's P V): the online softmax update of every row,
@@ -342,9 +463,14 @@ class decode_pass : public kernel<T> {
       }
       float* cv = slot_val(ws, parity, r);
       std::int32_t* ci = slot_idx(ws, parity, r);
-      sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, n, mx, used) : exp_kept<true>(cv, ci, n, mx, used);
+      if (ws.direct[parity]) {
+        int& live = ws.kept.ptr[parity * rows_mk_ + r];
+        sum += e2_ == 1.0f ? exp_live<false>(cv, ci, n, mx, live) : exp_live<true>(cv, ci, n, mx, live);
+      } else {
+        sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, n, mx, used) : exp_kept<true>(cv, ci, n, mx, used);
+      }
     }
-    if (!dense_) {
+    if (!dense_ && !ws.direct[parity]) {
       for (int t = 0; t < w_; ++t) {
         if (used[t] != 0) prefetch_row(p_.v, p_.v_stride, b, j0 + t, hk);
       }
@@ -355,6 +481,11 @@ class decode_pass : public kernel<T> {
   /// converted once; the rest of the tile's V is never read.
   void accumulate_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
     std::int32_t* used = ws.used.ptr + static_cast<std::int64_t>(parity) * w_;
+    if (ws.direct[parity]) {
+      std::fill(used, used + w_, 0);
+      direct_accumulate(ws, parity, b, hk, j0);
+      return;
+    }
     float* vt = ws.vt.ptr;
     for (int t = 0; t < w_; ++t) {
       if (used[t] == 0) continue;
@@ -371,6 +502,54 @@ class decode_pass : public kernel<T> {
           [vt, ci](int k) { return vt + ci[k]; });
     }
   }
+
+  /// acc += p V over the kept keys of a direct tile: V rows straight from the cache (slot offsets
+  /// are key indices in the tile, masked slots dropped), converted on the fly.
+  void direct_accumulate(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
+#if !HWY_HAVE_SCALABLE
+    const T* v = static_cast<const T*>(p_.v);
+    const std::int64_t row0 = core::offset4(p_.v_stride, b, j0, hk, 0), step = p_.v_stride[1];
+    for (int r = 0; r < rows_; ++r) {
+      const int n = ws.kept.ptr[parity * rows_mk_ + r];
+      if (n == 0) continue;
+      const float* cv = slot_val(ws, parity, r);
+      const std::int32_t* ci = slot_idx(ws, parity, r);
+      float* acc = ws.acc.ptr + static_cast<std::int64_t>(r) * dp_;
+      for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
+        const T* base = v + row0 + c0;
+        const auto row = [base, step, ci](int k) { return base + ci[k] * step; };
+        switch (std::min(8, (dp_ - c0) / lanes_)) {
+          case 1: add_cache_rows<1>(acc + c0, n, cv, row); break;
+          case 2: add_cache_rows<2>(acc + c0, n, cv, row); break;
+          case 3: add_cache_rows<3>(acc + c0, n, cv, row); break;
+          case 4: add_cache_rows<4>(acc + c0, n, cv, row); break;
+          case 5: add_cache_rows<5>(acc + c0, n, cv, row); break;
+          case 6: add_cache_rows<6>(acc + c0, n, cv, row); break;
+          case 7: add_cache_rows<7>(acc + c0, n, cv, row); break;
+          default: add_cache_rows<8>(acc + c0, n, cv, row); break;
+        }
+      }
+    }
+#else
+    (void)ws, (void)parity, (void)b, (void)hk, (void)j0;
+#endif
+  }
+
+#if !HWY_HAVE_SCALABLE
+  /// acc[0, NV vectors) += sum over k < n of wt[k] * row(k), keys in slot order (add_rows' order).
+  template <int NV, typename Row>
+  HWY_INLINE void add_cache_rows(float* HWY_RESTRICT acc, int n, const float* HWY_RESTRICT wt, const Row& row) const {
+    const DF d;
+    VF a[NV];
+    for (int x = 0; x < NV; ++x) a[x] = hn::Load(d, acc + x * lanes_);
+    for (int k = 0; k < n; ++k) {
+      const T* src = row(k);
+      const VF w = hn::Set(d, wt[k]);
+      for (int x = 0; x < NV; ++x) a[x] = hn::MulAdd(w, load_value(src + x * lanes_), a[x]);
+    }
+    for (int x = 0; x < NV; ++x) hn::Store(a[x], d, acc + x * lanes_);
+  }
+#endif
 
   float* slot_val(decode_workspace& ws, int parity, int r) const {
     return ws.cv.ptr + (static_cast<std::int64_t>(parity) * rows_mk_ + r) * cstride_;
@@ -467,6 +646,42 @@ class decode_pass : public kernel<T> {
     return hn::GetLane(hn::SumOfLanes(d, vsum));
   }
 
+  /// exp_kept for a direct tile, whose V rows come straight from the cache: masked keys (-inf) are
+  /// first dropped from the @p kept slots rather than given weight 0 against a row that may hold
+  /// anything (a scalar pass that only tiles with masked keys need: Highway 1.0.3's CompressStore is
+  /// slow on AVX2, see compact), then the exponentials replace the scores in place, the key indices
+  /// left as they are. @p live gets the slots left. Returns the sum of the exponentials.
+  template <bool Split>
+  HWY_INLINE float exp_live(float* cv, std::int32_t* ci, int kept, float mx, int& live) const {
+    const DF d;
+    const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+    auto masked = hn::Lt(neg_inf, neg_inf);  // none
+    for (int t = 0; t < kept; t += lanes_) {
+      // Slots past kept are padding: only the first kept - t lanes count.
+      masked = hn::Or(masked, hn::And(hn::Eq(hn::Load(d, cv + t), neg_inf), hn::FirstN(d, static_cast<std::size_t>(kept - t))));
+    }
+    live = kept;
+    if (!hn::AllFalse(d, masked)) {
+      live = 0;
+      for (int k = 0; k < kept; ++k) {
+        if (cv[k] == -std::numeric_limits<float>::infinity()) continue;
+        cv[live] = cv[k];
+        ci[live++] = ci[k];
+      }
+    }
+    const VF vmx = hn::Set(d, mx), ve1 = hn::Set(d, e1_), ve2 = hn::Set(d, e2_);
+    VF vsum = hn::Zero(d);
+    for (int t = 0; t < live; t += lanes_) {
+      VF y = hn::Mul(hn::Sub(hn::Load(d, cv + t), vmx), ve1);
+      if constexpr (Split) y = hn::Mul(y, ve2);
+      // Lanes past live: whatever the slots held (scores, padding); computed, never summed or read.
+      const VF e = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(live - t)), exp2_poly(y));
+      hn::Store(e, d, cv + t);
+      vsum = hn::Add(vsum, e);
+    }
+    return hn::GetLane(hn::SumOfLanes(d, vsum));
+  }
+
   /// Folds the chunks of (batch, kv head) @p pair in increasing order and writes O and LSE.
   void fold(std::int64_t pair, const partials& parts) const {
     const std::int64_t hk = pair % p_.heads_kv, b = pair / p_.heads_kv;
@@ -517,7 +732,10 @@ class decode_pass : public kernel<T> {
   const int rows_, rows_mk_;
   const std::int64_t chunk_, chunks_;
   const int cstride_;  ///< per-row stride of the compacted scores and offsets (W + 2 vectors)
-  const bool dense_;   ///< N = M: every V row is read, so V is prefetched with K
+  const bool dense_;   ///< N = M: every V row is read, so V is prefetched with K (panel path)
+  /// The direct path can run: rows of K and V contiguous, d a multiple of the vector (no tails) and
+  /// a target with fixed-size vectors (it keeps arrays of vectors). Else every tile takes the panel path.
+  const bool direct_;
 };
 
 /// The decode forward has one instance per Highway target (avx3_bf16 runs the avx3 one): @p t unused.

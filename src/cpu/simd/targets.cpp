@@ -34,7 +34,10 @@ std::vector<simd_target> compiled_simd_targets() {
 
 bool simd_target_supported(simd_target t) noexcept {
   const std::int64_t bit = simd::target_bit(t);
-  const bool runs = bit != 0 && (HWY_TARGETS & bit) != 0 && (hwy::SupportedTargets() & bit) != 0;
+  // Once per process: hwy::SupportedTargets runs CPUID each time, which traps to the hypervisor in
+  // a virtual machine (6% of a small decode step, where the selector asks per call).
+  static const std::int64_t supported = hwy::SupportedTargets();
+  const bool runs = bit != 0 && (HWY_TARGETS & bit) != 0 && (supported & bit) != 0;
   // avx3_bf16: the avx3 instance plus the vdpbf16ps loops, which need the CPU's AVX512_BF16.
   return runs && (t != simd_target::avx3_bf16 || core::cpu_has(core::cpu_feature::avx512bf16));
 }

@@ -5,7 +5,7 @@
 // cache lengths (several chunks, partial tiles and groups), per-sequence key lengths (0, and ends
 // inside a group), grouped and multi-query heads, causal masks with Lq > 1, a bias, and bitwise
 // equality across thread counts. Non-finite and extreme inputs: test_extreme_values.cpp
-// (ExtremeDecode).
+// (ExtremeDecode.SlicesMatchReference).
 //
 // Tolerance policy (test_cpu.cpp's): scores of small-integer inputs are exact in fp32, so the
 // selection must be the reference's exactly, and each output is a convex combination of at most Lk

@@ -362,6 +362,7 @@ std::vector<kernel> fused_kernels(bool forward) {
 }
 const std::vector<kernel> kForward = fused_kernels(true);
 const std::vector<kernel> kBackward = fused_kernels(false);
+const std::vector<kernel> kFused = fused_kernels(false);  // the decode slices: fused kernels only
 
 /// Patterns: the in-register 1:2 and 2:4 paths of the AVX2 kernel, the generic N:M path, dense.
 const pattern kPatterns[] = {{1, 2}, {2, 4}, {3, 8}, {4, 4}};
@@ -379,6 +380,14 @@ class ExtremeForward : public ::testing::TestWithParam<param> {
  protected:
   void SetUp() override {
     const std::string why = cpu_isa_skip_reason(kForward[static_cast<std::size_t>(std::get<0>(GetParam()))].isa);
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+class ExtremeDecode : public ::testing::TestWithParam<param> {
+ protected:
+  void SetUp() override {
+    const std::string why = cpu_isa_skip_reason(kFused[static_cast<std::size_t>(std::get<0>(GetParam()))].isa);
     if (!why.empty()) GTEST_SKIP() << why;
   }
 };
@@ -444,9 +453,8 @@ problem slice_rows(const problem& pr, std::int64_t i0, std::int64_t n) {
 /// The decode kernel (selected for few query rows on every SIMD target) on slices of 4 rows of
 /// every case: rows 0 to 11, where the cases put their special rows (a NaN row, a +inf kept or
 /// masked, an empty row, huge scores, a tie), against the reference of each slice.
-TEST_P(ExtremeForward, DecodeSlicesMatchReference) {
-  const kernel& kn = kForward[static_cast<std::size_t>(std::get<0>(GetParam()))];
-  if (kn.algorithm != cpu_algorithm::fused) GTEST_SKIP() << "the decode kernel is a fused kernel";
+TEST_P(ExtremeDecode, SlicesMatchReference) {
+  const kernel& kn = kFused[static_cast<std::size_t>(std::get<0>(GetParam()))];
   const extreme_case whole = make_case(std::get<1>(GetParam()));
   int ran = 0;
   for (std::int64_t i0 : {0, 4, 8}) {
@@ -507,6 +515,9 @@ TEST_P(ExtremeBackward, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeForward,
                          ::testing::Combine(::testing::Range(0, static_cast<int>(kForward.size())), ::testing::Range(0, kCases)),
                          param_name<&kForward>);
+INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeDecode,
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(kFused.size())), ::testing::Range(0, kCases)),
+                         param_name<&kFused>);
 INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeBackward,
                          ::testing::Combine(::testing::Range(0, static_cast<int>(kBackward.size())), ::testing::Range(0, kCases)),
                          param_name<&kBackward>);

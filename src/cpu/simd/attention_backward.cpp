@@ -418,14 +418,7 @@ status backward_entry(const attention_params& p, simd_target t) {
   if (p.o == nullptr || p.lse == nullptr) {
     return {status_code::internal, "dfss cpu simd backward: called without the forward's output and LSE"};
   }
-  switch (p.input_type) {
-    case dtype::f32: backward_pass<float>(p).run(); break;
-    case dtype::f16: backward_pass<half>(p).run(); break;
-    case dtype::bf16: backward_pass<bfloat16>(p).run(); break;
-    default:
-      return {status_code::unsupported, std::string("dfss cpu simd backward: input type ") + dtype_name(p.input_type)};
-  }
-  return status::success();
+  return run_pass<backward_pass>(p, "dfss cpu simd backward");
 }
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)

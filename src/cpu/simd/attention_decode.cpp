@@ -130,7 +130,7 @@ HWY_INLINE void store_blocks(D d, hn::Vec<D> v, float* dst, std::int64_t stride)
 /// panels, the S tile, the kept V rows of the tile, and per row its compacted kept scores and
 /// offsets, accumulator and softmax state.
 struct decode_workspace {
-  aligned_buffer<float> q, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
+  aligned_buffer<float> q, q_max, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
   aligned_buffer<std::uint16_t> touch;  ///< where direct_accumulate's read of a whole V tile ends up
   int tile_keys[2] = {0, 0};            ///< per slot set (parity): keys of the tile before tile_end
@@ -217,6 +217,7 @@ class decode_pass : public kernel<T> {
     ws.row_sum.resize(rows);
     ws.row_tile_max.resize(rows);
     ws.row_nan.resize(rows);
+    ws.q_max.resize(rows);
     // Row w of the tile's V is the zero row that masked and padding slots point at.
     std::fill(ws.vt.ptr + w * dp, ws.vt.ptr + (w + 1) * dp, 0.0f);
     std::fill(ws.used.ptr, ws.used.ptr + 2 * w, 0);
@@ -248,6 +249,9 @@ class decode_pass : public kernel<T> {
         float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
         this->load_row(p_.q, p_.q_stride, b, r < rows_ ? row_of(r) : 0, r < rows_ ? head_of(hk, r) : 0, r < rows_, q);
         q_risky = q_risky || !this->row_is_tame(q);
+        float top = 0.0f;
+        for (int c = 0; c < d_; ++c) top = std::max(top, std::abs(q[c]));
+        ws.q_max.ptr[r] = top;  // for settle_near_ties (a NaN row is risky: never used)
       }
     }
     // Software pipeline over the tiles: the V rows a tile kept are prefetched when its selection is
@@ -369,7 +373,7 @@ class decode_pass : public kernel<T> {
   /// and inf compare above every finite magnitude).
   template <int R, int NV, bool Check>
   HWY_INLINE bool dot_tile(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k, std::int64_t step, int keys,
-                           float* HWY_RESTRICT s) const {
+                           float* HWY_RESTRICT s, float* max_k) const {
     const DF d;
     const DI di;
     const int nv = NV > 0 ? NV : d_ / lanes_;
@@ -390,19 +394,21 @@ class decode_pass : public kernel<T> {
     }
     if constexpr (!Check) return true;
     const VI above = hn::Set(di, 0x58800001);  // the bits of 2^50, plus one
-    return hn::AllTrue(di, hn::Lt(top, above));
+    if (!hn::AllTrue(di, hn::Lt(top, above))) return false;
+    *max_k = hn::GetLane(hn::BitCast(d, hn::MaxOfLanes(di, top)));  // finite: the largest |k|
+    return true;
   }
 
   /// dot_tile for @p rows = 1, 2 or 4 rows, with the vectors per row dispatched.
   template <bool Check>
-  bool dot_rows(int rows, const float* q, const T* k, std::int64_t step, int keys, float* s) const {
+  bool dot_rows(int rows, const float* q, const T* k, std::int64_t step, int keys, float* s, float* max_k) const {
     const int nv = d_ / lanes_;
 #define DFSS_DOT_TILE(R)                                                        \
   switch (nv) {                                                                 \
-    case 4: return dot_tile<R, 4, Check>(q, k, step, keys, s);                  \
-    case 8: return dot_tile<R, 8, Check>(q, k, step, keys, s);                  \
-    case 16: return dot_tile<R, 16, Check>(q, k, step, keys, s);                \
-    default: return dot_tile<R, 0, Check>(q, k, step, keys, s);                 \
+    case 4: return dot_tile<R, 4, Check>(q, k, step, keys, s, max_k);                  \
+    case 8: return dot_tile<R, 8, Check>(q, k, step, keys, s, max_k);                  \
+    case 16: return dot_tile<R, 16, Check>(q, k, step, keys, s, max_k);                \
+    default: return dot_tile<R, 0, Check>(q, k, step, keys, s, max_k);                 \
   }
     if (rows >= 4) {
       DFSS_DOT_TILE(4)
@@ -433,12 +439,15 @@ class decode_pass : public kernel<T> {
     // others read them from L1.
     const auto block = [](int left) { return left >= 4 ? 4 : (left >= 2 ? 2 : 1); };
     int r = block(rows_);
-    if (!dot_rows<true>(r, ws.q.ptr, k, step, keys, ws.s.ptr)) return false;
+    float max_k = 0.0f;
+    if (!dot_rows<true>(r, ws.q.ptr, k, step, keys, ws.s.ptr, &max_k)) return false;
     while (r < rows_) {
       const int n = block(rows_ - r);
-      dot_rows<false>(n, ws.q.ptr + static_cast<std::int64_t>(r) * dp_, k, step, keys, ws.s.ptr + static_cast<std::int64_t>(r) * w_);
+      dot_rows<false>(n, ws.q.ptr + static_cast<std::int64_t>(r) * dp_, k, step, keys, ws.s.ptr + static_cast<std::int64_t>(r) * w_,
+                      nullptr);
       r += n;
     }
+    if (p_.pattern_n < p_.pattern_m) settle_near_ties(ws, k, step, keys, max_k);
     // Keys at or past tile_end are masked for every row (the panel path's zero rows).
     for (int rr = 0; rr < rows_; ++rr) std::fill(ws.s.ptr + static_cast<std::int64_t>(rr) * w_ + keys, ws.s.ptr + static_cast<std::int64_t>(rr + 1) * w_, 0.0f);
     return true;
@@ -446,6 +455,66 @@ class decode_pass : public kernel<T> {
     (void)ws, (void)b, (void)hk, (void)j0, (void)tile_end;
     return false;
 #endif
+  }
+
+  /// Makes a direct tile's selection the fused forward's (and so the fused backward's, which
+  /// recomputes it): each direct score is within E = gamma_d sum_c |q_c k_c| <= gamma_d d max|q| max|k|
+  /// (gamma_d = d u / (1 - d u), u = 2^-24, plus 2^-149 per product for underflow) of the exact dot
+  /// product, and so is the fused forward's, so where every two scores of a group differ by more
+  /// than 2 E both orders rank the group alike. A group with two scores closer than that (a near
+  /// tie: rare on real data, every exact tie of integer inputs) has its scores recomputed in the
+  /// fused forward's order (fused_order_score). Checked by CpuBackward.UsesExactlyTheForwardSelection,
+  /// whose near ties everywhere are decided by rounding.
+  void settle_near_ties(decode_workspace& ws, const T* k, std::int64_t step, int keys, float max_k) const {
+    const DF d;
+    const int m = p_.pattern_m;
+    const double u = 0x1p-24, dd = static_cast<double>(d_);
+    const double gamma = dd * u / (1.0 - dd * u);
+    for (int r = 0; r < rows_; ++r) {
+      const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
+      const double e = gamma * dd * static_cast<double>(ws.q_max.ptr[r]) * static_cast<double>(max_k) + dd * 0x1p-149;
+      // In fp32, 2 E enlarged by 2^-20 covers the rounding of the subtraction and of the bound.
+      const float lim = static_cast<float>(2.0 * e * (1.0 + 0x1p-20));
+      float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
+      const auto settle = [&](int g0) {  // group [g0, g0 + m): recomputed if two scores are near
+        const int g1 = std::min(keys, g0 + m);
+        bool near = false;
+        for (int i = g0; i < g1 && !near; ++i) {
+          for (int j = i + 1; j < g1 && !near; ++j) near = std::abs(s[i] - s[j]) <= lim;
+        }
+        if (near) {
+          for (int t = g0; t < g1; ++t) s[t] = fused_order_score(q, k + t * step);
+        }
+      };
+      if ((m == 2 || m == 4) && lanes_ >= 4) {
+        // Groups of 2 or 4 lie inside 128-bit blocks (tiles and rows start at multiples of the
+        // vector): every pair of a group compared at once with in-block shuffles; the scalar test
+        // only for a vector that has a near pair. Lanes past the tile's keys hold stale scores:
+        // at worst a needless scalar test.
+        const VF vlim = hn::Set(d, lim);
+        for (int t0 = 0; t0 < keys; t0 += lanes_) {
+          const VF x = hn::Load(d, s + t0);
+          auto near = hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle2301(x))), vlim);
+          if (m == 4) {
+            near = hn::Or(near, hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle1032(x))), vlim));
+            near = hn::Or(near, hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle0123(x))), vlim));
+          }
+          if (hn::AllFalse(d, near)) continue;
+          for (int g0 = t0; g0 < std::min(keys, t0 + lanes_); g0 += m) settle(g0);
+        }
+      } else {
+        for (int g0 = 0; g0 < keys; g0 += m) settle(g0);
+      }
+    }
+  }
+
+  /// q . k in the fused forward's micro-kernel order: one MulAdd per column, in increasing order,
+  /// from zero (the same Highway op, so the same rounding on every target, FMA or not).
+  float fused_order_score(const float* q, const T* k) const {
+    const DF d;
+    VF acc = hn::Zero(d);
+    for (int c = 0; c < d_; ++c) acc = hn::MulAdd(hn::Set(d, q[c]), hn::Set(d, to_float(k[c])), acc);
+    return hn::GetLane(acc);
   }
 
   /// Tile j0, second half (after the previous tile's P V): the online softmax update of every row,
@@ -539,16 +608,8 @@ class decode_pass : public kernel<T> {
       for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
         const T* base = v + row0 + c0;
         const auto row = [base, step, ci](int k) { return base + ci[k] * step; };
-        switch (std::min(8, (dp_ - c0) / lanes_)) {
-          case 1: add_cache_rows<1>(acc + c0, n, cv, row); break;
-          case 2: add_cache_rows<2>(acc + c0, n, cv, row); break;
-          case 3: add_cache_rows<3>(acc + c0, n, cv, row); break;
-          case 4: add_cache_rows<4>(acc + c0, n, cv, row); break;
-          case 5: add_cache_rows<5>(acc + c0, n, cv, row); break;
-          case 6: add_cache_rows<6>(acc + c0, n, cv, row); break;
-          case 7: add_cache_rows<7>(acc + c0, n, cv, row); break;
-          default: add_cache_rows<8>(acc + c0, n, cv, row); break;
-        }
+        with_column_vectors((dp_ - c0) / lanes_,
+                            [&](auto nv) { add_cache_rows<decltype(nv)::value>(acc + c0, n, cv, row); });
       }
     }
 #else
@@ -760,17 +821,7 @@ class decode_pass : public kernel<T> {
 };
 
 /// The decode forward has one instance per Highway target (avx3_bf16 runs the avx3 one): @p t unused.
-status decode_entry(const attention_params& p, simd_target) {
-  switch (p.input_type) {
-    case dtype::f32: decode_pass<float>(p).run(); break;
-    case dtype::f16: decode_pass<half>(p).run(); break;
-    case dtype::bf16: decode_pass<bfloat16>(p).run(); break;
-    default:
-      return {status_code::unsupported, std::string("dfss cpu simd decode forward: input type ") +
-                                            dtype_name(p.input_type) + " (takes f32, f16, bf16)"};
-  }
-  return status::success();
-}
+status decode_entry(const attention_params& p, simd_target) { return run_pass<decode_pass>(p, "dfss cpu simd decode forward"); }
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)
 

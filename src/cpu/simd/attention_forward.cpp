@@ -253,15 +253,7 @@ status forward_entry(const attention_params& p, simd_target t) {
   // int32 offsets would overflow: the scalar twin (with the key tile the call will use).
   const int tile = forward_pass<bfloat16>::uses_dot(dot && p.input_type == dtype::bf16) ? kMinKeyTileBf16Dot : kMinKeyTile;
   if (!kernel<float>::fits_int32(p, tile)) return fused_forward_scalar(p);
-  switch (p.input_type) {
-    case dtype::f32: forward_pass<float>(p, dot).run(); break;
-    case dtype::f16: forward_pass<half>(p, dot).run(); break;
-    case dtype::bf16: forward_pass<bfloat16>(p, dot).run(); break;
-    default:
-      return {status_code::unsupported, std::string("dfss cpu simd fused forward: input type ") +
-                                            dtype_name(p.input_type) + " (takes f32, f16, bf16)"};
-  }
-  return status::success();
+  return run_pass<forward_pass>(p, "dfss cpu simd fused forward", dot);
 }
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)

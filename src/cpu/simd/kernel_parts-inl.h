@@ -312,6 +312,23 @@ HWY_INLINE void add_rows(float* HWY_RESTRICT acc, int n, const Weight& weight, c
   if constexpr (NV > 7) hn::Store(a7, d, acc + 7 * L);
 }
 
+/// Calls f(std::integral_constant<int, NV>()) with NV = min(8, @p nv) (nv >= 1): the width, in
+/// vectors, of a block of columns whose accumulators stay in registers (8 vectors: a whole d = 64 row
+/// on AVX2, d = 128 on AVX-512), as a compile-time constant for the unrolled row combinations.
+template <typename F>
+HWY_INLINE void with_column_vectors(int nv, const F& f) {
+  switch (std::min(8, nv)) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    default: f(std::integral_constant<int, 8>()); break;
+  }
+}
+
 /// acc[0, dp) += sum over t < n of weight(t) * row(t)[0, dp), 8 vectors of columns at a time (a
 /// whole d = 64 row on AVX2, d = 128 on AVX-512): the P V product of the forward (over a row's kept
 /// keys) and the dQ, dK, dV products of the backward. row(t) must be dp-aligned rows.
@@ -321,16 +338,7 @@ HWY_INLINE void add_row_combination(float* acc, int dp, int n, const Weight& wei
   const int L = static_cast<int>(hn::Lanes(d));
   for (int c0 = 0; c0 < dp; c0 += 8 * L) {
     const auto shifted = [&](int t) { return row(t) + c0; };
-    switch (std::min(8, (dp - c0) / L)) {
-      case 1: add_rows<1>(acc + c0, n, weight, shifted); break;
-      case 2: add_rows<2>(acc + c0, n, weight, shifted); break;
-      case 3: add_rows<3>(acc + c0, n, weight, shifted); break;
-      case 4: add_rows<4>(acc + c0, n, weight, shifted); break;
-      case 5: add_rows<5>(acc + c0, n, weight, shifted); break;
-      case 6: add_rows<6>(acc + c0, n, weight, shifted); break;
-      case 7: add_rows<7>(acc + c0, n, weight, shifted); break;
-      default: add_rows<8>(acc + c0, n, weight, shifted); break;
-    }
+    with_column_vectors((dp - c0) / L, [&](auto nv) { add_rows<decltype(nv)::value>(acc + c0, n, weight, shifted); });
   }
 }
 
@@ -779,6 +787,21 @@ struct kernel {
   const float e1_, e2_;
   const std::int64_t group_;
 };
+
+/// Pass<T>(p, args...).run() for the call's input type (a pass of this family takes f32, f16 and
+/// bf16 inputs); any other type is refused with a status naming @p what.
+template <template <typename> class Pass, typename... Args>
+status run_pass(const attention_params& p, const char* what, const Args&... args) {
+  switch (p.input_type) {
+    case dtype::f32: Pass<float>(p, args...).run(); break;
+    case dtype::f16: Pass<half>(p, args...).run(); break;
+    case dtype::bf16: Pass<bfloat16>(p, args...).run(); break;
+    default:
+      return {status_code::unsupported,
+              std::string(what) + ": input type " + dtype_name(p.input_type) + " (takes f32, f16, bf16)"};
+  }
+  return status::success();
+}
 
 #endif  // DFSS_SIMD_KERNEL_TARGET
 

@@ -350,19 +350,6 @@ class decode_pass : public kernel<T> {
   }
 
 #if !HWY_HAVE_SCALABLE
-  /// One vector of @p src (T, contiguous) as fp32.
-  static HWY_INLINE VF load_value(const T* src) {
-    const DF d;
-    if constexpr (std::is_same_v<T, float>) {
-      return hn::LoadU(d, src);
-    } else if constexpr (std::is_same_v<T, half>) {
-      return promote_f16(hn::Rebind<hwy::float16_t, DF>(), reinterpret_cast<const hwy::float16_t*>(src));
-    } else {
-      const hn::Rebind<hwy::bfloat16_t, DF> dh;
-      return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(src)));
-    }
-  }
-
   /// Scores of R task rows (Q at @p q, row stride dp) against the @p keys cache rows k + t * step,
   /// into s[r * W + t]: per (row, key) one vector of partial sums over the columns in vector steps,
   /// in increasing order, then the sum of its lanes. A key's row is read whole before the next
@@ -384,7 +371,7 @@ class decode_pass : public kernel<T> {
       VF a[R];
       for (int r = 0; r < R; ++r) a[r] = hn::Zero(d);
       for (int c = 0; c < nv; ++c) {
-        const VF kc = load_value(row + c * lanes_);
+        const VF kc = this->load_value(row + c * lanes_);
         if constexpr (Check) top = hn::Max(top, hn::And(hn::BitCast(di, kc), magnitude));
         for (int r = 0; r < R; ++r) {
           a[r] = hn::MulAdd(hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * lanes_), kc, a[r]);
@@ -403,12 +390,12 @@ class decode_pass : public kernel<T> {
   template <bool Check>
   bool dot_rows(int rows, const float* q, const T* k, std::int64_t step, int keys, float* s, float* max_k) const {
     const int nv = d_ / lanes_;
-#define DFSS_DOT_TILE(R)                                                        \
-  switch (nv) {                                                                 \
-    case 4: return dot_tile<R, 4, Check>(q, k, step, keys, s, max_k);                  \
-    case 8: return dot_tile<R, 8, Check>(q, k, step, keys, s, max_k);                  \
-    case 16: return dot_tile<R, 16, Check>(q, k, step, keys, s, max_k);                \
-    default: return dot_tile<R, 0, Check>(q, k, step, keys, s, max_k);                 \
+#define DFSS_DOT_TILE(R)                                                   \
+  switch (nv) {                                                            \
+    case 4: return dot_tile<R, 4, Check>(q, k, step, keys, s, max_k);      \
+    case 8: return dot_tile<R, 8, Check>(q, k, step, keys, s, max_k);      \
+    case 16: return dot_tile<R, 16, Check>(q, k, step, keys, s, max_k);    \
+    default: return dot_tile<R, 0, Check>(q, k, step, keys, s, max_k);     \
   }
     if (rows >= 4) {
       DFSS_DOT_TILE(4)
@@ -554,8 +541,7 @@ class decode_pass : public kernel<T> {
   /// converted once; the rest of the tile's V is never read.
   void accumulate_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
     std::int32_t* used = ws.used.ptr + static_cast<std::int64_t>(parity) * w_;
-    if (ws.direct[parity]) {
-      std::fill(used, used + w_, 0);
+    if (ws.direct[parity]) {  // its slots mark nothing in used (exp_live)
       direct_accumulate(ws, parity, b, hk, j0);
       return;
     }
@@ -627,7 +613,7 @@ class decode_pass : public kernel<T> {
     for (int k = 0; k < n; ++k) {
       const T* src = row(k);
       const VF w = hn::Set(d, wt[k]);
-      for (int x = 0; x < NV; ++x) a[x] = hn::MulAdd(w, load_value(src + x * lanes_), a[x]);
+      for (int x = 0; x < NV; ++x) a[x] = hn::MulAdd(w, this->load_value(src + x * lanes_), a[x]);
     }
     for (int x = 0; x < NV; ++x) hn::Store(a[x], d, acc + x * lanes_);
   }

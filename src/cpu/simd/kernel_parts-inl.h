@@ -454,6 +454,20 @@ struct kernel {
     return hn::AllTrue(d, ok);
   }
 
+  /// One vector of contiguous T values at @p src as fp32: f16 by promote_f16, bf16 by Highway's
+  /// PromoteTo (a shift).
+  static HWY_INLINE VF load_value(const T* src) {
+    const DF d;
+    if constexpr (std::is_same_v<T, float>) {
+      return hn::LoadU(d, src);
+    } else if constexpr (std::is_same_v<T, half>) {
+      return promote_f16(hn::Rebind<hwy::float16_t, DF>(), reinterpret_cast<const hwy::float16_t*>(src));
+    } else {
+      const hn::Rebind<hwy::bfloat16_t, DF> dh;
+      return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(src)));
+    }
+  }
+
   /// Row (b, j, h, :) of a [B, L, H, d] tensor as dp floats (zero padded; all zero when !valid).
   void load_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h, bool valid,
                 float* out) const {
@@ -465,22 +479,8 @@ struct kernel {
     const std::int64_t off = core::offset4(st, b, j, h, 0);
     int c = 0;
     if (st[3] == 1) {
-      if constexpr (std::is_same_v<T, float>) {
-        const float* src = static_cast<const float*>(base) + off;
-        for (; c + lanes_ <= d_; c += lanes_) hn::Store(hn::LoadU(d, src + c), d, out + c);
-      } else {
-        // 16-bit rows: f16 by promote_f16, bf16 by Highway's PromoteTo (a shift).
-        using H = std::conditional_t<std::is_same_v<T, half>, hwy::float16_t, hwy::bfloat16_t>;
-        const hn::Rebind<H, DF> dh;
-        const H* src = reinterpret_cast<const H*>(static_cast<const std::uint16_t*>(base) + off);
-        for (; c + lanes_ <= d_; c += lanes_) {
-          if constexpr (std::is_same_v<T, half>) {
-            hn::Store(promote_f16(dh, src + c), d, out + c);
-          } else {
-            hn::Store(hn::PromoteTo(d, hn::LoadU(dh, src + c)), d, out + c);
-          }
-        }
-      }
+      const T* src = static_cast<const T*>(base) + off;
+      for (; c + lanes_ <= d_; c += lanes_) hn::Store(load_value(src + c), d, out + c);
     }
     for (; c < d_; ++c) out[c] = to_float(static_cast<const T*>(base)[off + c * st[3]]);
     for (; c < dp_; ++c) out[c] = 0.0f;

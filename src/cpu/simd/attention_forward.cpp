@@ -39,7 +39,10 @@ class forward_pass : public kernel<T> {
   /// @p bf16_dot: run Q K^T and P V as bf16 dot products (the avx3_bf16 target, bf16 inputs only;
   /// in other instances the flag is ignored).
   forward_pass(const attention_params& p, bool bf16_dot)
-      : base(p, uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : kMinKeyTile), dot_(uses_dot(bf16_dot)) {}
+      : base(p, uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : kMinKeyTile),
+        dot_(uses_dot(bf16_dot)),
+        dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && !dot_),
+        pair_tiles_(kPairBlocks && p.pattern_n == 1 && p.pattern_m == 2 && !dot_) {}
 
   static constexpr bool uses_dot(bool bf16_dot) { return DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16>; }
 
@@ -55,6 +58,7 @@ class forward_pass : public kernel<T> {
 #if DFSS_SIMD_BF16_DOT
           if (dot_) this->reserve_bf16(worker_scratch<workspace>());
 #endif
+          if (pair_tiles_) worker_scratch<workspace>().vn.resize(static_cast<std::size_t>((p_.seqlen_k / 2 + 1) * dp_));
         },
         [&](std::int64_t t) { task(worker_scratch<workspace>(), t, q_tiles); });
   }
@@ -71,6 +75,14 @@ class forward_pass : public kernel<T> {
   using base::w_;
   using base::zero_row_;
   const bool dot_;
+  /// Dense pattern on a fixed-width target (and not the bf16 dot products): a key tile that no row
+  /// masks runs P V as a blocked product over the task's rows (blocked_values).
+  const bool dense_tiles_;
+  /// 1:2 on a fixed-width target (and not the bf16 dot products): a key tile that no row masks
+  /// runs P V as a blocked product over the task's rows, each row's kept key of a pair selected by
+  /// its weight's sign (blocked_values).
+  const bool pair_tiles_;
+  static_assert(kRowsPerTask <= 32, "rows of a task are bits of a std::uint32_t");
 
   void task(workspace& ws, std::int64_t t, std::int64_t q_tiles) const {
     const std::int64_t qt = t % q_tiles;
@@ -100,7 +112,10 @@ class forward_pass : public kernel<T> {
 
     for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
       scores(ws, rows_mk, j0);
-      for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0);
+      // Rows whose P V for this tile is left to blocked_values.
+      std::uint32_t blocked = 0;
+      for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0, blocked);
+      if (blocked != 0) blocked_values(ws, blocked, j0);
     }
 
     const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -132,8 +147,13 @@ class forward_pass : public kernel<T> {
   /// becomes 0 and points at the zero row. The exponent is (x - max) e1 (times e2 when Split):
   /// x - max is exact when it matters (Sterbenz) and at most 0, so huge scores keep accurate
   /// weights; the form x c - max c would cancel away eps |c max| of them.
+  /// What exp_kept leaves besides the weights: V offsets in ci, nothing (a dense tile no row masks,
+  /// scores in key order), or, for a 1:2 tile no row masks (kept scores in pair order), each
+  /// weight negated where its key is odd (blocked_values).
+  enum class exp_out { offsets, weights, pair_signs };
+
   template <bool Split>
-  HWY_INLINE float exp_kept(float* cv, std::int32_t* ci, int kept, float mx, bool masked_tile) const {
+  HWY_INLINE float exp_kept(float* cv, std::int32_t* ci, int kept, float mx, bool masked_tile, exp_out out) const {
     const DF d;
     const DI di;
     const VF vmx = hn::Set(d, mx), ve1 = hn::Set(d, e1_), ve2 = hn::Set(d, e2_);
@@ -158,9 +178,16 @@ class forward_pass : public kernel<T> {
         VF y = hn::Mul(hn::Sub(hn::Load(d, cv + t), vmx), ve1);
         if constexpr (Split) y = hn::Mul(y, ve2);
         const VF e = exp2_poly(y);
-        hn::Store(e, d, cv + t);
         vsum = hn::Add(vsum, e);
-        hn::StoreU(hn::Mul(hn::LoadU(di, ci + t), vdp), di, ci + t);
+        if (out == exp_out::offsets) {
+          hn::Store(e, d, cv + t);
+          hn::StoreU(hn::Mul(hn::LoadU(di, ci + t), vdp), di, ci + t);
+        } else if (out == exp_out::weights) {
+          hn::Store(e, d, cv + t);
+        } else {
+          const VI odd = hn::ShiftLeft<31>(hn::LoadU(di, ci + t));
+          hn::Store(hn::Or(e, hn::BitCast(d, odd)), d, cv + t);
+        }
       }
     }
     return hn::GetLane(hn::SumOfLanes(d, vsum));
@@ -168,7 +195,11 @@ class forward_pass : public kernel<T> {
 
   /// Always inlined into task, as the AVX2 kernel this replaces did (GCC 12 otherwise keeps it out
   /// of line, and the call per row and tile measured a few percent of the dense forward).
-  HWY_INLINE void row_epilogue(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0) const {
+  /// A row whose P V is left to blocked_values (a dense or 1:2 tile it does not mask)
+  /// gets its bit set in @p blocked: its dense weights left in place of its scores, or its signed
+  /// 1:2 weights (exp_kept) in its slot of ws.comp_val.
+  HWY_INLINE void row_epilogue(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
+                               std::uint32_t& blocked) const {
     const std::int64_t lim = this->key_limit(b, qi);
     if (j0 >= lim) return;  // the whole tile is masked for this row
     float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
@@ -180,11 +211,29 @@ class forward_pass : public kernel<T> {
     const bool nan_or_inf = ws.risky && this->row_has_nan_or_inf(s);
     if (nan_or_inf) ws.row_nan.ptr[i] = 1;
 
-    float* cv = ws.comp_val.ptr;
-    std::int32_t* ci = ws.comp_idx.ptr;
+    // Only a tile that holds masked keys (a boundary tile, or any tile with a bias, which may be
+    // -inf) can keep a -inf slot.
+    const bool masked_tile = j0 + w_ > lim || p_.bias != nullptr;
+    // A dense tile the row does not mask keeps its scores in place and in key order, which is what
+    // compact would copy out.
+    const bool in_place = dense_tiles_ && !masked_tile;
+    const mask::whole_groups whole = core::whole_groups(p_, b, qi);
+    // A 1:2 tile the row does not mask, without whole groups (sink and recent windows): one kept
+    // key per pair, in pair order.
+    const bool paired = pair_tiles_ && !masked_tile && !mask::tile_has_whole_groups(whole, j0, w_);
+    const std::int64_t slot = paired ? static_cast<std::int64_t>(i) * this->comp_stride() : 0;
+    float* cv = in_place ? s : ws.comp_val.ptr + slot;
+    std::int32_t* ci = in_place ? nullptr : ws.comp_idx.ptr + slot;
     float tile_max = neg_inf;
-    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf,
-                                   core::whole_groups(p_, b, qi));
+    int kept = w_;
+    if (in_place) {
+      const DF d;
+      VF vmax = hn::Set(d, neg_inf);
+      for (int t = 0; t < w_; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
+      tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+    } else {
+      kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf, whole);
+    }
     if (tile_max == neg_inf) return;
     float& mx = ws.row_max.ptr[i];
     float& sum = ws.row_sum.ptr[i];
@@ -200,11 +249,50 @@ class forward_pass : public kernel<T> {
 
     // exp(scale (x - max)) of the kept scores; the second multiply only for a scale above
     // float max / log2(e).
-    const bool masked_tile = j0 + w_ > lim || p_.bias != nullptr;
-    sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_tile) : exp_kept<true>(cv, ci, kept, mx, masked_tile);
+    const exp_out out = in_place ? exp_out::weights : (paired ? exp_out::pair_signs : exp_out::offsets);
+    sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_tile, out)
+                       : exp_kept<true>(cv, ci, kept, mx, masked_tile, out);
 
     // acc += p * V[index] over the kept keys (ci holds element offsets now).
-    values(ws, acc, kept, cv, ci);
+    if (in_place || paired) {
+      blocked |= 1u << i;
+    } else {
+      values(ws, acc, kept, cv, ci);
+    }
+  }
+
+  /// acc += P V of the key tile at @p j0 for the rows in @p blocked with add_tile_block,
+  /// kValueRows rows per block: a dense tile (weights in ws.s, in key order) or a 1:2 one (signed
+  /// weights in the rows' slots of ws.comp_val, the odd keys' V rows negated in ws.vn). Each row's
+  /// sums come out bitwise as from values().
+  void blocked_values(workspace& ws, std::uint32_t blocked, std::int64_t j0) const {
+#if !HWY_HAVE_SCALABLE
+    const float* v0 = ws.vp.ptr + j0 * dp_;
+    const float* v1 = pair_tiles_ ? ws.vn.ptr + (j0 / 2) * dp_ : v0;
+    float* acc[kValueRows];
+    const float* w[kValueRows];
+    const auto run = [&](auto rows, float* const* a, const float* const* x) {
+      if (pair_tiles_) {
+        add_tile_rows<decltype(rows)::value, true>(a, x, v0, v1, dp_, w_ / 2);
+      } else {
+        add_tile_rows<decltype(rows)::value, false>(a, x, v0, v1, dp_, w_);
+      }
+    };
+    int n = 0;
+    for (; blocked != 0; blocked &= blocked - 1) {
+      const int i = hwy::Num0BitsBelowLS1Bit_Nonzero32(blocked);
+      acc[n] = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
+      w[n] = pair_tiles_ ? ws.comp_val.ptr + static_cast<std::int64_t>(i) * this->comp_stride()
+                         : ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+      if (++n == kValueRows) {
+        run(std::integral_constant<int, kValueRows>(), acc, w);
+        n = 0;
+      }
+    }
+    for (int r = 0; r < n; ++r) run(std::integral_constant<int, 1>(), acc + r, w + r);
+#else
+    (void)ws, (void)blocked, (void)j0;
+#endif
   }
 
   // The three steps the avx3_bf16 forward does with bf16 dot products (bf16_dot.hpp); every other
@@ -215,7 +303,16 @@ class forward_pass : public kernel<T> {
 #if DFSS_SIMD_BF16_DOT
     if (dot_) return this->pack_head_bf16(ws, b, hk);
 #endif
+    const bool fresh = ws.packed_for != &p_ || ws.packed_b != b || ws.packed_hk != hk;
     this->pack_head(ws, b, hk);
+    if (pair_tiles_ && fresh) {
+      // blocked_values' odd keys of 1:2 pairs: V row 2 g + 1 negated, as row g of ws.vn.
+      const DF d;
+      for (std::int64_t g = 0; 2 * g + 1 < p_.seqlen_k; ++g) {
+        const float* src = ws.vp.ptr + (2 * g + 1) * dp_;
+        for (int c = 0; c < dp_; c += lanes_) hn::Store(hn::Neg(hn::Load(d, src + c)), d, ws.vn.ptr + g * dp_ + c);
+      }
+    }
   }
 
   /// avx3_bf16: row @p i of the query tile (already in fp32 in ws.q) as bf16 column pairs.

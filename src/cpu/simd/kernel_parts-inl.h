@@ -99,6 +99,7 @@ struct workspace {
   bool kv_risky = false;  ///< the packed K or V holds a non-finite or huge value
   bool risky = false;     ///< the current task can produce NaN or +inf scores
   aligned_buffer<float> kt, vp, pack, q, s, acc, comp_val, row_max, row_sum;
+  aligned_buffer<float> vn;  ///< forward, 1:2: the odd keys' V rows negated (pair_values)
   aligned_buffer<std::int32_t> comp_idx, row_nan;
   // Backward only: K rows, dK and dV accumulators of the (batch, kv head), V^T panels, the dO tile
   // and its dP = dO V^T tile, per-row D = rowsum(dO * O) and LSE * log2(e), the kept probabilities
@@ -342,6 +343,106 @@ HWY_INLINE void add_row_combination(float* acc, int dp, int n, const Weight& wei
   }
 }
 
+/// Whether the forward's 1:2 tiles run add_tile_block (Paired). Its selects compete with the FMAs for the
+/// same ports on AVX2, where the row-at-a-time combination measured faster (docs/design.md);
+/// scalable vectors (SVE) have no blocked products.
+#if HWY_HAVE_SCALABLE || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2
+inline constexpr bool kPairBlocks = false;
+#else
+inline constexpr bool kPairBlocks = true;
+#endif
+
+#if !HWY_HAVE_SCALABLE
+/// Query rows per block of the forward's blocked P V products (add_tile_rows): each V vector loaded
+/// serves this many rows. The accumulators are rows x kValueVectors, plus 1 V vector and a
+/// broadcast per row: 3 rows (12 + 4 registers) on the 16-register targets, 4 rows (16 + 5; 16 + 6
+/// for 1:2) on the 32-register ones. Against the row-at-a-time combination (1 broadcast and 8 loads
+/// per 8 FMAs) this is 7 loads per 12 FMAs on AVX2 and 8 per 16 on AVX-512 (docs/design.md,
+/// "The forward"). 2 rows on AVX2 measured 3% slower than 3.
+#if HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2
+inline constexpr int kValueRows = 3;
+#else
+inline constexpr int kValueRows = 4;
+#endif
+/// Column vectors per accumulator block of add_tile_rows (see kValueRows).
+inline constexpr int kValueVectors = 4;
+
+/// Makes the compiler keep @p v in a register rather than fold the load that made it into each
+/// instruction that uses it (x86 allows one memory operand per arithmetic instruction).
+HWY_INLINE void keep_in_register(VF& v) {
+#if HWY_ARCH_X86
+  asm("" : "+v"(v.raw));
+#else
+  (void)v;
+#endif
+}
+
+/// The P V product of a key tile for R rows, NV column vectors, with each V vector loaded once for
+/// all rows. Dense (Paired = false): acc[r] += sum over t < n of w[r][t] * v0[t dp]. 1:2 (Paired):
+/// pair t's even key is row v0[2 t dp], its odd key row v1[t dp] holds that V row negated, and
+/// w[r][t] is the row's weight of the key it kept, negated when that key is odd; so
+/// w * (w < 0 ? v1 : v0) is exactly p * V of the kept key. Increasing t, one MulAdd per term: each
+/// row's sums come out bitwise as from add_rows over its kept keys.
+template <int R, int NV, bool Paired>
+HWY_INLINE void add_tile_block(float* const* acc, const float* const* w, const float* HWY_RESTRICT v0,
+                               const float* HWY_RESTRICT v1, int dp, int n) {
+  const DF d;
+  const std::size_t L = hn::Lanes(d);
+  VF a[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) a[r][c] = hn::Load(d, acc[r] + c * L);
+  }
+  for (int t = 0; t < n; ++t) {
+    const float* x0 = v0 + static_cast<std::ptrdiff_t>(Paired ? 2 * t : t) * dp;
+    const float* x1 = v1 + static_cast<std::ptrdiff_t>(t) * dp;
+    VF wr[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wr[r] = hn::Set(d, w[r][t]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      VF e = hn::Load(d, x0 + c * L);
+      // One load per V vector: GCC would otherwise fold the load into every row's FMA (a memory
+      // operand), R loads where the blocking means one.
+      keep_in_register(e);
+      if constexpr (Paired) {
+        VF o = hn::Load(d, x1 + c * L);
+        keep_in_register(o);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) a[r][c] = hn::MulAdd(wr[r], hn::IfNegativeThenElse(wr[r], o, e), a[r][c]);
+      } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) a[r][c] = hn::MulAdd(wr[r], e, a[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) hn::Store(a[r][c], d, acc[r] + c * L);
+  }
+}
+
+/// add_tile_block over whole rows of dp columns, kValueVectors at a time.
+template <int R, bool Paired>
+HWY_INLINE void add_tile_rows(float* const* acc, const float* const* w, const float* v0, const float* v1, int dp, int n) {
+  const DF d;
+  const int L = static_cast<int>(hn::Lanes(d));
+  for (int c0 = 0; c0 < dp; c0 += kValueVectors * L) {
+    float* shifted[R];
+    for (int r = 0; r < R; ++r) shifted[r] = acc[r] + c0;
+    const float* x1 = Paired ? v1 + c0 : v1;
+    switch (std::min(kValueVectors, (dp - c0) / L)) {
+      case 1: add_tile_block<R, 1, Paired>(shifted, w, v0 + c0, x1, dp, n); break;
+      case 2: add_tile_block<R, 2, Paired>(shifted, w, v0 + c0, x1, dp, n); break;
+      case 3: add_tile_block<R, 3, Paired>(shifted, w, v0 + c0, x1, dp, n); break;
+      default: add_tile_block<R, kValueVectors, Paired>(shifted, w, v0 + c0, x1, dp, n); break;
+    }
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE
+
 /// A total-order key of a score for the N:M ranking (dfss/format/nm_select.hpp): signed integers
 /// that compare as the ranking does. +0 and -0 map to the same key (x + 0 turns -0 into +0), every
 /// NaN to INT32_MAX (NaN ranks above every number; two NaNs tie), numbers by signed value.
@@ -411,16 +512,17 @@ struct kernel {
     const auto rows_pad = static_cast<std::size_t>((lk_pad_ + 1) * dp_);
     const auto panels = static_cast<std::size_t>((lk_pad_ / panel_) * dp_ * panel_);
     const auto tile_rows = static_cast<std::size_t>(kRowsPerTask * dp_);
-    // CompressStore may write a whole vector past the last kept slot.
-    const auto compact = static_cast<std::size_t>(w_ + 2 * lanes_);
+    const auto compact = static_cast<std::size_t>(comp_stride());
     ws.kt.resize(panels);
     ws.vp.resize(rows_pad);
     ws.pack.resize(static_cast<std::size_t>(panel_ * dp_));
     ws.q.resize(std::max(tile_rows, static_cast<std::size_t>(dp_)));
     ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
     ws.acc.resize(tile_rows);
-    ws.comp_val.resize(compact);
-    ws.comp_idx.resize(compact);
+    // The forward keeps every row's compacted tile until the tile's P V (kRowsPerTask slots of
+    // comp_stride()); the backward uses the first.
+    ws.comp_val.resize(kRowsPerTask * compact);
+    ws.comp_idx.resize(kRowsPerTask * compact);
     ws.row_max.resize(kRowsPerTask);
     ws.row_sum.resize(kRowsPerTask);
     ws.row_nan.resize(kRowsPerTask);
@@ -440,6 +542,10 @@ struct kernel {
       ws.row_lse2.resize(kRowsPerTask);
     }
   }
+
+  /// Slots of one row's compacted tile (kept scores, key indices): the tile, plus room for a
+  /// whole vector written past the last kept slot.
+  int comp_stride() const { return w_ + 2 * lanes_; }
 
   /// Keys visible to query row qi: j < key_limit (key padding, causal and the sequence end).
   std::int64_t key_limit(std::int64_t b, std::int64_t qi) const { return core::visible_end(p_, b, qi); }

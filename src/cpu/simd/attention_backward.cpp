@@ -37,7 +37,8 @@ template <typename T>
 class backward_pass : public kernel<T> {
  public:
   using base = kernel<T>;
-  using base::base;
+  explicit backward_pass(const attention_params& p)
+      : base(p), dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m) {}
 
   /// One task per (batch, kv head), or per group of them when dBias broadcasts over the batch or
   /// the heads: a task then owns every (batch, kv head) that adds into the same dBias entries and
@@ -207,7 +208,9 @@ class backward_pass : public kernel<T> {
       this->tile_product(q, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
       this->tile_product(dout, rows_mk, ws.vt.ptr, j0, ws.dps.ptr);
       std::fill(ws.p_keys.ptr, ws.p_keys.ptr + w_ * kRowsPerTask, 0.0f);
-      for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0, sink, first);
+      std::uint32_t blocked = 0;  // rows whose dQ for this tile is left to blocked_dq
+      for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0, sink, first, blocked);
+      if (blocked != 0) blocked_dq(ws, blocked, j0);
       accumulate_dk_dv(ws, j0);
     }
     const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -268,8 +271,10 @@ class backward_pass : public kernel<T> {
   /// One row against one key tile: the forward's scores and selection, then
   /// P = exp2((scale (S - shift)) log2(e) - offset) (see backward_tile), dS = P (dO . V - D),
   /// dQ += scale dS K, and P, scale dS into the key-major block for dK and dV.
+  /// A dense row whose every key of the tile has P != 0 leaves its dQ product to blocked_dq: its bit
+  /// set in @p blocked, its scaled dS in its slot of ws.comp_ds, in key order.
   void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
-                    const dbias_sink& sink, bool first) const {
+                    const dbias_sink& sink, bool first, std::uint32_t& blocked) const {
     const std::int64_t lim = this->key_limit(b, qi);
     const float offset = ws.row_lse2.ptr[i];
     // Empty rows (offset -inf) have zero gradients.
@@ -284,7 +289,7 @@ class backward_pass : public kernel<T> {
     float* cv = ws.comp_val.ptr;
     std::int32_t* ci = ws.comp_idx.ptr;
     float* cp = ws.comp_p.ptr;
-    float* cds = ws.comp_ds.ptr;
+    float* cds = ws.comp_ds.ptr + (dense_tiles_ ? static_cast<std::int64_t>(i) * this->comp_stride() : 0);
     float tile_max = 0.0f;
     const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/true,
                                    core::whole_groups(p_, b, qi));  // NaN rows diverted
@@ -319,12 +324,17 @@ class backward_pass : public kernel<T> {
         ++live;
       }
     }
-    // dQ += scale dS K over the kept keys (a combination of K rows, the dQ row in registers).
-    const float* kr = ws.kr.ptr;
-    const int dp = dp_;
-    add_row_combination(
-        ws.acc.ptr + static_cast<std::int64_t>(i) * dp_, dp_, live, [cds](int t) { return cds[t]; },
-        [kr, ci, dp](int t) { return kr + static_cast<std::int64_t>(ci[t]) * dp; });
+    // dQ += scale dS K over the kept keys (a combination of K rows, the dQ row in registers); a dense
+    // row that keeps the whole tile (keys j0 .. j0 + W - 1 in order) leaves it to blocked_dq.
+    if (dense_tiles_ && live == w_) {
+      blocked |= 1u << i;
+    } else {
+      const float* kr = ws.kr.ptr;
+      const int dp = dp_;
+      add_row_combination(
+          ws.acc.ptr + static_cast<std::int64_t>(i) * dp_, dp_, live, [cds](int t) { return cds[t]; },
+          [kr, ci, dp](int t) { return kr + static_cast<std::int64_t>(ci[t]) * dp; });
+    }
     // P and dS go to the key-major block for accumulate_dk_dv.
     float* pk = ws.p_keys.ptr;
     float* dsk = ws.ds_keys.ptr;
@@ -340,6 +350,30 @@ class backward_pass : public kernel<T> {
         core::store_from_double(sink.base, sink.type, at, prior + static_cast<double>(cds[t]));
       }
     }
+  }
+
+  /// dQ += scale dS K of the dense key tile at @p j0 for the rows in @p blocked (their scaled dS in
+  /// their slots of ws.comp_ds) with the forward's blocked product, kValueRows rows per K load;
+  /// bitwise as backward_row's row-at-a-time combination.
+  void blocked_dq(workspace& ws, std::uint32_t blocked, std::int64_t j0) const {
+#if !HWY_HAVE_SCALABLE
+    const float* k = ws.kr.ptr + j0 * dp_;
+    float* acc[kValueRows];
+    const float* w[kValueRows];
+    int n = 0;
+    for (; blocked != 0; blocked &= blocked - 1) {
+      const int i = hwy::Num0BitsBelowLS1Bit_Nonzero32(blocked);
+      acc[n] = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
+      w[n] = ws.comp_ds.ptr + static_cast<std::int64_t>(i) * this->comp_stride();
+      if (++n == kValueRows) {
+        add_tile_rows<kValueRows, false>(acc, w, k, k, dp_, w_);
+        n = 0;
+      }
+    }
+    for (int r = 0; r < n; ++r) add_tile_rows<1, false>(acc + r, w + r, k, k, dp_, w_);
+#else
+    (void)ws, (void)blocked, (void)j0;
+#endif
   }
 
   /// A NaN row against one key tile: P and dS are NaN at every key it keeps that is not masked (as
@@ -367,12 +401,31 @@ class backward_pass : public kernel<T> {
   /// dV += P^T dO and dK += scale dS^T Q for the keys of the tile at j0, from the key-major block the
   /// rows of the tile filled: per key, a combination over the query rows that kept it, so that each
   /// dK and dV row is read and written once per (row tile, key tile) and pruned entries cost nothing.
+  /// Keys whose live rows are the first n rows of the tile (every row, on a dense tile no row masks)
+  /// run kValueRows keys at a time with the forward's blocked product (one dO and Q load for all of
+  /// them); the sums come out bitwise as key by key.
   void accumulate_dk_dv(workspace& ws, std::int64_t j0) const {
     const std::int64_t keys = std::min<std::int64_t>(w_, p_.seqlen_k - j0);
     int rows[kRowsPerTask];
     const float* dout = ws.dout.ptr;
     const float* q = ws.q.ptr;
     const int dp = dp_;
+#if !HWY_HAVE_SCALABLE
+    float* block_dv[kValueRows];
+    float* block_dk[kValueRows];
+    const float* block_p[kValueRows];
+    const float* block_ds[kValueRows];
+    int block = 0, block_rows = 0;
+    const auto run_block = [&](auto keys_in_block, int first) {
+      constexpr int R = decltype(keys_in_block)::value;
+      add_tile_rows<R, false>(block_dv + first, block_p + first, dout, dout, dp, block_rows);
+      add_tile_rows<R, false>(block_dk + first, block_ds + first, q, q, dp, block_rows);
+    };
+    const auto flush_singly = [&] {
+      for (int r = 0; r < block; ++r) run_block(std::integral_constant<int, 1>(), r);
+      block = 0;
+    };
+#endif
     for (std::int64_t k = 0; k < keys; ++k) {
       const float* pk = ws.p_keys.ptr + k * kRowsPerTask;
       const float* dsk = ws.ds_keys.ptr + k * kRowsPerTask;
@@ -389,6 +442,23 @@ class backward_pass : public kernel<T> {
           hn::StoreMaskBits(d, hn::Not(hn::Eq(hn::Load(d, pk + r), hn::Zero(d))), reinterpret_cast<std::uint8_t*>(&bits));
           live |= bits << r;
         }
+#if !HWY_HAVE_SCALABLE
+        if (dense_tiles_ && live != 0 && (live & (live + 1)) == 0) {
+          // Rows 0 .. n - 1: contiguous dO and Q rows, as add_tile_rows reads them.
+          const int prefix = static_cast<int>(hwy::PopCount(live));
+          if (block > 0 && prefix != block_rows) flush_singly();
+          block_rows = prefix;
+          block_dv[block] = ws.dv.ptr + (j0 + k) * dp_;
+          block_dk[block] = ws.dk.ptr + (j0 + k) * dp_;
+          block_p[block] = pk;
+          block_ds[block] = dsk;
+          if (++block == kValueRows) {
+            run_block(std::integral_constant<int, kValueRows>(), 0);
+            block = 0;
+          }
+          continue;
+        }
+#endif
         for (; live != 0; live &= live - 1) rows[n++] = static_cast<int>(hwy::Num0BitsBelowLS1Bit_Nonzero64(live));
       } else {
         for (int r = 0; r < kRowsPerTask; ++r) {
@@ -404,7 +474,13 @@ class backward_pass : public kernel<T> {
           ws.dk.ptr + j * dp_, dp_, n, [dsk, &rows](int t) { return dsk[rows[t]]; },
           [q, &rows, dp](int t) { return q + static_cast<std::int64_t>(rows[t]) * dp; });
     }
+#if !HWY_HAVE_SCALABLE
+    flush_singly();
+#endif
   }
+
+  /// Dense pattern on a fixed-width target: whole-tile rows and keys take the blocked products.
+  const bool dense_tiles_;
 };
 
 /// avx3_bf16 (@p t) runs the avx3 backward: 16-bit inputs are widened to fp32 as on every target.

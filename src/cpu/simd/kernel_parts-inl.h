@@ -534,7 +534,7 @@ struct kernel {
       ws.dv.resize(rows_pad);
       ws.dout.resize(tile_rows);
       ws.comp_p.resize(compact);
-      ws.comp_ds.resize(compact);
+      ws.comp_ds.resize(kRowsPerTask * compact);  // a slot per row: dense rows' dQ waits for the tile
       const auto block = static_cast<std::size_t>(w_ * kRowsPerTask);
       ws.p_keys.resize(block);
       ws.ds_keys.resize(block);

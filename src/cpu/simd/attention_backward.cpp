@@ -208,10 +208,15 @@ class backward_pass : public kernel<T> {
       this->tile_product(q, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
       this->tile_product(dout, rows_mk, ws.vt.ptr, j0, ws.dps.ptr);
       std::fill(ws.p_keys.ptr, ws.p_keys.ptr + w_ * kRowsPerTask, 0.0f);
-      std::uint32_t blocked = 0;  // rows whose dQ for this tile is left to blocked_dq
+      std::uint32_t blocked = 0;  // rows that keep the whole dense tile (backward_row)
       for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0, sink, first, blocked);
       if (blocked != 0) blocked_dq(ws, blocked, j0);
-      accumulate_dk_dv(ws, j0);
+      if (blocked == (rows == 32 ? ~0u : (1u << rows) - 1u)) {
+        whole_tile_dk_dv(ws, j0, rows);
+      } else {
+        if (blocked != 0) to_key_major(ws, blocked);
+        accumulate_dk_dv(ws, j0);
+      }
     }
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int i = 0; i < rows; ++i) {
@@ -271,8 +276,9 @@ class backward_pass : public kernel<T> {
   /// One row against one key tile: the forward's scores and selection, then
   /// P = exp2((scale (S - shift)) log2(e) - offset) (see backward_tile), dS = P (dO . V - D),
   /// dQ += scale dS K, and P, scale dS into the key-major block for dK and dV.
-  /// A dense row whose every key of the tile has P != 0 leaves its dQ product to blocked_dq: its bit
-  /// set in @p blocked, its scaled dS in its slot of ws.comp_ds, in key order.
+  /// A dense row whose every key of the tile has P != 0 leaves its products to the tile's end: its
+  /// bit set in @p blocked, its P and scaled dS in its slots of ws.comp_p and ws.comp_ds, in key
+  /// order (blocked_dq, then whole_tile_dk_dv or to_key_major).
   void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
                     const dbias_sink& sink, bool first, std::uint32_t& blocked) const {
     const std::int64_t lim = this->key_limit(b, qi);
@@ -288,8 +294,9 @@ class backward_pass : public kernel<T> {
     }
     float* cv = ws.comp_val.ptr;
     std::int32_t* ci = ws.comp_idx.ptr;
-    float* cp = ws.comp_p.ptr;
-    float* cds = ws.comp_ds.ptr + (dense_tiles_ ? static_cast<std::int64_t>(i) * this->comp_stride() : 0);
+    const std::int64_t slot = dense_tiles_ ? static_cast<std::int64_t>(i) * this->comp_stride() : 0;
+    float* cp = ws.comp_p.ptr + slot;
+    float* cds = ws.comp_ds.ptr + slot;
     float tile_max = 0.0f;
     const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/true,
                                    core::whole_groups(p_, b, qi));  // NaN rows diverted
@@ -306,8 +313,9 @@ class backward_pass : public kernel<T> {
       // (padding slots point past the tile: clamped, their P is 0).
       const VF arg = hn::Mul(hn::Mul(hn::Sub(hn::Load(d, cv + t), vshift), ve1), ve2);
       const VF pv = exp2_clamped(hn::Sub(arg, voffset));
-      const VI local = hn::Min(hn::Sub(hn::LoadU(di, ci + t), vj0), vlast);
-      const VF dpv = hn::GatherIndex(d, dp_row, local);
+      // Dense: kept slot t is key j0 + t.
+      const VF dpv = dense_tiles_ ? hn::Load(d, dp_row + t)
+                                  : hn::GatherIndex(d, dp_row, hn::Min(hn::Sub(hn::LoadU(di, ci + t), vj0), vlast));
       const VF ds = hn::Mul(pv, hn::Sub(dpv, vd));
       hn::Store(pv, d, cp + t);
       hn::Store(hn::Mul(vscale, ds), d, cds + t);
@@ -324,24 +332,25 @@ class backward_pass : public kernel<T> {
         ++live;
       }
     }
-    // dQ += scale dS K over the kept keys (a combination of K rows, the dQ row in registers); a dense
-    // row that keeps the whole tile (keys j0 .. j0 + W - 1 in order) leaves it to blocked_dq.
-    if (dense_tiles_ && live == w_) {
-      blocked |= 1u << i;
-    } else {
+    // A dense row that keeps the whole tile (keys j0 .. j0 + W - 1 in order) leaves its products to
+    // the tile's end.
+    const bool whole_tile = dense_tiles_ && live == w_;
+    if (whole_tile) blocked |= 1u << i;
+    // dQ += scale dS K over the kept keys (a combination of K rows, the dQ row in registers).
+    if (!whole_tile) {
       const float* kr = ws.kr.ptr;
       const int dp = dp_;
       add_row_combination(
           ws.acc.ptr + static_cast<std::int64_t>(i) * dp_, dp_, live, [cds](int t) { return cds[t]; },
           [kr, ci, dp](int t) { return kr + static_cast<std::int64_t>(ci[t]) * dp; });
-    }
-    // P and dS go to the key-major block for accumulate_dk_dv.
-    float* pk = ws.p_keys.ptr;
-    float* dsk = ws.ds_keys.ptr;
-    for (int t = 0; t < live; ++t) {
-      const std::int64_t slot = (ci[t] - j0) * kRowsPerTask + i;  // live slots are keys of this tile
-      pk[slot] = cp[t];
-      dsk[slot] = cds[t];
+      // P and dS go to the key-major block for accumulate_dk_dv.
+      float* pk = ws.p_keys.ptr;
+      float* dsk = ws.ds_keys.ptr;
+      for (int t = 0; t < live; ++t) {
+        const std::int64_t at = (ci[t] - j0) * kRowsPerTask + i;  // live slots are keys of this tile
+        pk[at] = cp[t];
+        dsk[at] = cds[t];
+      }
     }
     if (p_.dbias != nullptr) {
       for (int t = 0; t < live; ++t) {
@@ -366,14 +375,57 @@ class backward_pass : public kernel<T> {
       acc[n] = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
       w[n] = ws.comp_ds.ptr + static_cast<std::int64_t>(i) * this->comp_stride();
       if (++n == kValueRows) {
-        add_tile_rows<kValueRows, false>(acc, w, k, k, dp_, w_);
+        add_tile_rows<kValueRows, false>(acc, w, 1, k, k, dp_, w_);
         n = 0;
       }
     }
-    for (int r = 0; r < n; ++r) add_tile_rows<1, false>(acc + r, w + r, k, k, dp_, w_);
+    for (int r = 0; r < n; ++r) add_tile_rows<1, false>(acc + r, w + r, 1, k, k, dp_, w_);
 #else
     (void)ws, (void)blocked, (void)j0;
 #endif
+  }
+
+  /// dV += P^T dO and dK += scale dS^T Q of a dense key tile that every one of the task's @p rows
+  /// keeps whole: kValueRows keys at a time with the blocked product, reading P and dS of key k
+  /// from the rows' slots (row t's at t * comp_stride() + k); bitwise as accumulate_dk_dv.
+  void whole_tile_dk_dv(workspace& ws, std::int64_t j0, int rows) const {
+#if !HWY_HAVE_SCALABLE
+    const std::ptrdiff_t stride = this->comp_stride();
+    float* dv[kValueRows];
+    float* dk[kValueRows];
+    const float* p[kValueRows];
+    const float* ds[kValueRows];
+    const auto run = [&](auto keys, int k0) {
+      constexpr int R = decltype(keys)::value;
+      for (int r = 0; r < R; ++r) {
+        dv[r] = ws.dv.ptr + (j0 + k0 + r) * dp_;
+        dk[r] = ws.dk.ptr + (j0 + k0 + r) * dp_;
+        p[r] = ws.comp_p.ptr + k0 + r;
+        ds[r] = ws.comp_ds.ptr + k0 + r;
+      }
+      add_tile_rows<R, false>(dv, p, stride, ws.dout.ptr, ws.dout.ptr, dp_, rows);
+      add_tile_rows<R, false>(dk, ds, stride, ws.q.ptr, ws.q.ptr, dp_, rows);
+    };
+    int k = 0;
+    for (; k + kValueRows <= w_; k += kValueRows) run(std::integral_constant<int, kValueRows>(), k);
+    for (; k < w_; ++k) run(std::integral_constant<int, 1>(), k);
+#else
+    (void)ws, (void)j0, (void)rows;
+#endif
+  }
+
+  /// The key-major block entries of the rows in @p blocked (whole dense tiles, their P and dS in
+  /// their slots), for accumulate_dk_dv when other rows of the tile did not keep it whole.
+  void to_key_major(workspace& ws, std::uint32_t blocked) const {
+    for (; blocked != 0; blocked &= blocked - 1) {
+      const int i = hwy::Num0BitsBelowLS1Bit_Nonzero32(blocked);
+      const float* cp = ws.comp_p.ptr + static_cast<std::int64_t>(i) * this->comp_stride();
+      const float* cds = ws.comp_ds.ptr + static_cast<std::int64_t>(i) * this->comp_stride();
+      for (int t = 0; t < w_; ++t) {
+        ws.p_keys.ptr[t * kRowsPerTask + i] = cp[t];
+        ws.ds_keys.ptr[t * kRowsPerTask + i] = cds[t];
+      }
+    }
   }
 
   /// A NaN row against one key tile: P and dS are NaN at every key it keeps that is not masked (as
@@ -418,8 +470,8 @@ class backward_pass : public kernel<T> {
     int block = 0, block_rows = 0;
     const auto run_block = [&](auto keys_in_block, int first) {
       constexpr int R = decltype(keys_in_block)::value;
-      add_tile_rows<R, false>(block_dv + first, block_p + first, dout, dout, dp, block_rows);
-      add_tile_rows<R, false>(block_dk + first, block_ds + first, q, q, dp, block_rows);
+      add_tile_rows<R, false>(block_dv + first, block_p + first, 1, dout, dout, dp, block_rows);
+      add_tile_rows<R, false>(block_dk + first, block_ds + first, 1, q, q, dp, block_rows);
     };
     const auto flush_singly = [&] {
       for (int r = 0; r < block; ++r) run_block(std::integral_constant<int, 1>(), r);

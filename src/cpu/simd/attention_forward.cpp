@@ -273,9 +273,9 @@ class forward_pass : public kernel<T> {
     const float* w[kValueRows];
     const auto run = [&](auto rows, float* const* a, const float* const* x) {
       if (pair_tiles_) {
-        add_tile_rows<decltype(rows)::value, true>(a, x, v0, v1, dp_, w_ / 2);
+        add_tile_rows<decltype(rows)::value, true>(a, x, 1, v0, v1, dp_, w_ / 2);
       } else {
-        add_tile_rows<decltype(rows)::value, false>(a, x, v0, v1, dp_, w_);
+        add_tile_rows<decltype(rows)::value, false>(a, x, 1, v0, v1, dp_, w_);
       }
     };
     int n = 0;

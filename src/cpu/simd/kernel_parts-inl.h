@@ -382,9 +382,10 @@ HWY_INLINE void keep_in_register(VF& v) {
 /// pair t's even key is row v0[2 t dp], its odd key row v1[t dp] holds that V row negated, and
 /// w[r][t] is the row's weight of the key it kept, negated when that key is odd; so
 /// w * (w < 0 ? v1 : v0) is exactly p * V of the kept key. Increasing t, one MulAdd per term: each
-/// row's sums come out bitwise as from add_rows over its kept keys.
+/// row's sums come out bitwise as from add_rows over its kept keys. Row r's weights are
+/// w[r][t * ws] (ws = 1, or a row stride for weights stored transposed).
 template <int R, int NV, bool Paired>
-HWY_INLINE void add_tile_block(float* const* acc, const float* const* w, const float* HWY_RESTRICT v0,
+HWY_INLINE void add_tile_block(float* const* acc, const float* const* w, std::ptrdiff_t ws, const float* HWY_RESTRICT v0,
                                const float* HWY_RESTRICT v1, int dp, int n) {
   const DF d;
   const std::size_t L = hn::Lanes(d);
@@ -399,7 +400,7 @@ HWY_INLINE void add_tile_block(float* const* acc, const float* const* w, const f
     const float* x1 = v1 + static_cast<std::ptrdiff_t>(t) * dp;
     VF wr[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) wr[r] = hn::Set(d, w[r][t]);
+    for (int r = 0; r < R; ++r) wr[r] = hn::Set(d, w[r][t * ws]);
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
       VF e = hn::Load(d, x0 + c * L);
@@ -426,7 +427,8 @@ HWY_INLINE void add_tile_block(float* const* acc, const float* const* w, const f
 
 /// add_tile_block over whole rows of dp columns, kValueVectors at a time.
 template <int R, bool Paired>
-HWY_INLINE void add_tile_rows(float* const* acc, const float* const* w, const float* v0, const float* v1, int dp, int n) {
+HWY_INLINE void add_tile_rows(float* const* acc, const float* const* w, std::ptrdiff_t ws, const float* v0,
+                              const float* v1, int dp, int n) {
   const DF d;
   const int L = static_cast<int>(hn::Lanes(d));
   for (int c0 = 0; c0 < dp; c0 += kValueVectors * L) {
@@ -434,10 +436,10 @@ HWY_INLINE void add_tile_rows(float* const* acc, const float* const* w, const fl
     for (int r = 0; r < R; ++r) shifted[r] = acc[r] + c0;
     const float* x1 = Paired ? v1 + c0 : v1;
     switch (std::min(kValueVectors, (dp - c0) / L)) {
-      case 1: add_tile_block<R, 1, Paired>(shifted, w, v0 + c0, x1, dp, n); break;
-      case 2: add_tile_block<R, 2, Paired>(shifted, w, v0 + c0, x1, dp, n); break;
-      case 3: add_tile_block<R, 3, Paired>(shifted, w, v0 + c0, x1, dp, n); break;
-      default: add_tile_block<R, kValueVectors, Paired>(shifted, w, v0 + c0, x1, dp, n); break;
+      case 1: add_tile_block<R, 1, Paired>(shifted, w, ws, v0 + c0, x1, dp, n); break;
+      case 2: add_tile_block<R, 2, Paired>(shifted, w, ws, v0 + c0, x1, dp, n); break;
+      case 3: add_tile_block<R, 3, Paired>(shifted, w, ws, v0 + c0, x1, dp, n); break;
+      default: add_tile_block<R, kValueVectors, Paired>(shifted, w, ws, v0 + c0, x1, dp, n); break;
     }
   }
 }
@@ -533,8 +535,9 @@ struct kernel {
       ws.dk.resize(rows_pad);
       ws.dv.resize(rows_pad);
       ws.dout.resize(tile_rows);
-      ws.comp_p.resize(compact);
-      ws.comp_ds.resize(kRowsPerTask * compact);  // a slot per row: dense rows' dQ waits for the tile
+      // A slot per row: dense rows that keep the whole tile leave their products to the tile's end.
+      ws.comp_p.resize(kRowsPerTask * compact);
+      ws.comp_ds.resize(kRowsPerTask * compact);
       const auto block = static_cast<std::size_t>(w_ * kRowsPerTask);
       ws.p_keys.resize(block);
       ws.ds_keys.resize(block);

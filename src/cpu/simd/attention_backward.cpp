@@ -551,9 +551,7 @@ status backward_entry(const attention_params& p, simd_target t) {
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)
 
-status backward_entry(const attention_params&, simd_target) {
-  return {status_code::unsupported, "dfss cpu simd backward: no kernel for the baseline target"};
-}
+DFSS_SIMD_BASELINE_ENTRY(backward_entry, "dfss cpu simd backward")
 
 #endif  // DFSS_SIMD_KERNEL_TARGET
 
@@ -564,13 +562,7 @@ HWY_AFTER_NAMESPACE();
 #include "cpu/simd/dispatch.hpp"
 
 namespace dfss::cpu {
-namespace simd {
-HWY_EXPORT(backward_entry);
-}  // namespace simd
-
-status fused_backward_simd(const attention_params& p, simd_target t) noexcept {
-  return simd::run_on_target(simd::HWY_DISPATCH_TABLE(backward_entry), t, p, "dfss cpu simd backward");
-}
+DFSS_SIMD_EXPORT_ENTRY(backward_entry, fused_backward_simd, "dfss cpu simd backward")
 
 }  // namespace dfss::cpu
 #endif  // HWY_ONCE

@@ -80,38 +80,6 @@ namespace dfss::cpu::simd::HWY_NAMESPACE {
 
 #if DFSS_SIMD_KERNEL_TARGET
 
-/// S[R][P] = Q[R][dp] x Kt panel [dp][P] for R = 1 or 2 query rows: the fused forward's
-/// microkernel (kernel_parts-inl.h) for fewer rows, with the same arithmetic per (row, key) lane (one
-/// MulAdd per c, c increasing), so its scores are bitwise the fused forward's. A decode step of one
-/// or two rows per kv head would waste 3/4 or 7/8 of microkernel<4 or 8>'s multiplies on zero rows.
-template <int R>
-HWY_INLINE void few_rows_microkernel(const float* HWY_RESTRICT q, std::int64_t ldq, const float* HWY_RESTRICT kt,
-                                     int dp, float* HWY_RESTRICT s, std::int64_t lds) {
-  static_assert(R == 1 || R == 2, "few_rows_microkernel: 1 or 2 rows");
-  const DF d;
-  const std::size_t L = hn::Lanes(d);
-  const std::size_t P = 2 * L;
-  VF c00 = hn::Zero(d), c01 = c00, c10 = c00, c11 = c00;
-  for (int c = 0; c < dp; ++c) {
-    const VF b0 = hn::Load(d, kt + c * P);
-    const VF b1 = hn::Load(d, kt + c * P + L);
-    VF a = hn::Set(d, q[c]);
-    c00 = hn::MulAdd(a, b0, c00);
-    c01 = hn::MulAdd(a, b1, c01);
-    if constexpr (R == 2) {
-      a = hn::Set(d, q[ldq + c]);
-      c10 = hn::MulAdd(a, b0, c10);
-      c11 = hn::MulAdd(a, b1, c11);
-    }
-  }
-  hn::Store(c00, d, s);
-  hn::Store(c01, d, s + L);
-  if constexpr (R == 2) {
-    hn::Store(c10, d, s + lds);
-    hn::Store(c11, d, s + lds + L);
-  }
-}
-
 #if !HWY_HAVE_SCALABLE
 /// Stores the 128-bit blocks of @p v: block b at dst + b * stride.
 template <class D>
@@ -672,8 +640,8 @@ class decode_pass : public kernel<T> {
         switch (r) {
           case 8: microkernel<8>(x, dp_, panel, dp_, out, w_); break;
           case 4: microkernel<4>(x, dp_, panel, dp_, out, w_); break;
-          case 2: few_rows_microkernel<2>(x, dp_, panel, dp_, out, w_); break;
-          default: few_rows_microkernel<1>(x, dp_, panel, dp_, out, w_); break;
+          case 2: microkernel<2>(x, dp_, panel, dp_, out, w_); break;
+          default: microkernel<1>(x, dp_, panel, dp_, out, w_); break;
         }
       }
       i += r;
@@ -811,9 +779,7 @@ status decode_entry(const attention_params& p, simd_target) { return run_pass<de
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)
 
-status decode_entry(const attention_params&, simd_target) {
-  return {status_code::unsupported, "dfss cpu simd decode forward: no kernel for the baseline target"};
-}
+DFSS_SIMD_BASELINE_ENTRY(decode_entry, "dfss cpu simd decode forward")
 
 #endif  // DFSS_SIMD_KERNEL_TARGET
 
@@ -824,13 +790,7 @@ HWY_AFTER_NAMESPACE();
 #include "cpu/simd/dispatch.hpp"
 
 namespace dfss::cpu {
-namespace simd {
-HWY_EXPORT(decode_entry);
-}  // namespace simd
-
-status decode_forward_simd(const attention_params& p, simd_target t) noexcept {
-  return simd::run_on_target(simd::HWY_DISPATCH_TABLE(decode_entry), t, p, "dfss cpu simd decode forward");
-}
+DFSS_SIMD_EXPORT_ENTRY(decode_entry, decode_forward_simd, "dfss cpu simd decode forward")
 
 bool decode_forward_applies(const attention_params& p) noexcept { return p.seqlen_q <= kDecodeMaxQueryRows; }
 

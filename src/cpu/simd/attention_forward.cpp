@@ -355,9 +355,7 @@ status forward_entry(const attention_params& p, simd_target t) {
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)
 
-status forward_entry(const attention_params&, simd_target) {
-  return {status_code::unsupported, "dfss cpu simd fused forward: no kernel for the baseline target"};
-}
+DFSS_SIMD_BASELINE_ENTRY(forward_entry, "dfss cpu simd fused forward")
 
 #endif  // DFSS_SIMD_KERNEL_TARGET
 
@@ -368,13 +366,7 @@ HWY_AFTER_NAMESPACE();
 #include "cpu/simd/dispatch.hpp"
 
 namespace dfss::cpu {
-namespace simd {
-HWY_EXPORT(forward_entry);
-}  // namespace simd
-
-status fused_forward_simd(const attention_params& p, simd_target t) noexcept {
-  return simd::run_on_target(simd::HWY_DISPATCH_TABLE(forward_entry), t, p, "dfss cpu simd fused forward");
-}
+DFSS_SIMD_EXPORT_ENTRY(forward_entry, fused_forward_simd, "dfss cpu simd fused forward")
 
 }  // namespace dfss::cpu
 #endif  // HWY_ONCE

@@ -69,3 +69,14 @@ status run_on_target(F const (&table)[N], simd_target t, const attention_params&
 }
 
 }  // namespace dfss::cpu::simd
+
+/// The HWY_ONCE part of a kernel file, inside namespace dfss::cpu: the dispatch table of the
+/// per-target @p entry and the public @p function that runs the entry of a named target, its
+/// failures naming @p what.
+#define DFSS_SIMD_EXPORT_ENTRY(entry, function, what)                       \
+  namespace simd {                                                         \
+  HWY_EXPORT(entry);                                                       \
+  }                                                                        \
+  status function(const attention_params& p, simd_target t) noexcept {     \
+    return simd::run_on_target(simd::HWY_DISPATCH_TABLE(entry), t, p, what); \
+  }

@@ -112,6 +112,13 @@ struct workspace {
   aligned_buffer<std::uint16_t> vb;
 };
 
+/// The entry point of a kernel file in the static baseline target Highway always compiles (see
+/// targets.hpp): never dispatched to, it only says so.
+#define DFSS_SIMD_BASELINE_ENTRY(entry, what)                                       \
+  status entry(const attention_params&, simd_target) {                             \
+    return {status_code::unsupported, what ": no kernel for the baseline target"}; \
+  }
+
 /// The generic N:M selection, called out of line (compiled once, without any target's flags).
 [[gnu::noinline]] inline std::uint32_t select_group_generic(const float* s, int n, int m) {
   return nm_select_group<float>(s, m, n, m);
@@ -199,66 +206,55 @@ HWY_INLINE VF exp2_clamped(VF x) {
   return hn::IfThenElse(hn::IsNaN(x), x, r);
 }
 
-/// S[R][P] (row stride lds) = Q[R][dp] (row stride ldq) x Kt panel [dp][P], P = 2 vectors. The
-/// accumulators are named variables (not an array) so that the code also compiles for SVE, whose
-/// vectors are sizeless. Sums run over c in increasing order, one MulAdd per term.
+/// S[R][P] (row stride lds) = Q[R][dp] (row stride ldq) x Kt panel [dp][P], P = 2 vectors, for
+/// R = 1, 2, 4 or 8 rows (kMicroRows in the forward and backward; 1 or 2 in a decode step, which
+/// would waste 3/4 or 7/8 of the multiplies on zero rows). The accumulators are named variables (not
+/// an array) so that the code also compiles for SVE, whose vectors are sizeless. Sums run over c in
+/// increasing order, one MulAdd per term, whatever R: a row's scores are bitwise the same at every
+/// height.
 template <int R>
 HWY_INLINE void microkernel(const float* HWY_RESTRICT q, std::int64_t ldq, const float* HWY_RESTRICT kt, int dp,
                             float* HWY_RESTRICT s, std::int64_t lds) {
-  static_assert(R == 4 || R == 8, "micro-kernel heights 4 and 8");
+  static_assert(R == 1 || R == 2 || R == 4 || R == 8, "micro-kernel heights 1, 2, 4 and 8");
   const DF d;
   const std::size_t L = hn::Lanes(d);
   const std::size_t P = 2 * L;
   VF c00 = hn::Zero(d), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
   VF c40 = c00, c41 = c00, c50 = c00, c51 = c00, c60 = c00, c61 = c00, c70 = c00, c71 = c00;
+// One row r of the panel product: its two accumulators cr0, cr1 (r >= R: nothing).
+#define DFSS_MICROKERNEL_ROW(r)                  \
+  if constexpr (r < R) {                         \
+    const VF a = hn::Set(d, q[r * ldq + c]);     \
+    c##r##0 = hn::MulAdd(a, b0, c##r##0);        \
+    c##r##1 = hn::MulAdd(a, b1, c##r##1);        \
+  }
   for (int c = 0; c < dp; ++c) {
     const VF b0 = hn::Load(d, kt + c * P);
     const VF b1 = hn::Load(d, kt + c * P + L);
-    VF a = hn::Set(d, q[c]);
-    c00 = hn::MulAdd(a, b0, c00);
-    c01 = hn::MulAdd(a, b1, c01);
-    a = hn::Set(d, q[ldq + c]);
-    c10 = hn::MulAdd(a, b0, c10);
-    c11 = hn::MulAdd(a, b1, c11);
-    a = hn::Set(d, q[2 * ldq + c]);
-    c20 = hn::MulAdd(a, b0, c20);
-    c21 = hn::MulAdd(a, b1, c21);
-    a = hn::Set(d, q[3 * ldq + c]);
-    c30 = hn::MulAdd(a, b0, c30);
-    c31 = hn::MulAdd(a, b1, c31);
-    if constexpr (R == 8) {
-      a = hn::Set(d, q[4 * ldq + c]);
-      c40 = hn::MulAdd(a, b0, c40);
-      c41 = hn::MulAdd(a, b1, c41);
-      a = hn::Set(d, q[5 * ldq + c]);
-      c50 = hn::MulAdd(a, b0, c50);
-      c51 = hn::MulAdd(a, b1, c51);
-      a = hn::Set(d, q[6 * ldq + c]);
-      c60 = hn::MulAdd(a, b0, c60);
-      c61 = hn::MulAdd(a, b1, c61);
-      a = hn::Set(d, q[7 * ldq + c]);
-      c70 = hn::MulAdd(a, b0, c70);
-      c71 = hn::MulAdd(a, b1, c71);
-    }
+    DFSS_MICROKERNEL_ROW(0)
+    DFSS_MICROKERNEL_ROW(1)
+    DFSS_MICROKERNEL_ROW(2)
+    DFSS_MICROKERNEL_ROW(3)
+    DFSS_MICROKERNEL_ROW(4)
+    DFSS_MICROKERNEL_ROW(5)
+    DFSS_MICROKERNEL_ROW(6)
+    DFSS_MICROKERNEL_ROW(7)
   }
-  hn::Store(c00, d, s);
-  hn::Store(c01, d, s + L);
-  hn::Store(c10, d, s + lds);
-  hn::Store(c11, d, s + lds + L);
-  hn::Store(c20, d, s + 2 * lds);
-  hn::Store(c21, d, s + 2 * lds + L);
-  hn::Store(c30, d, s + 3 * lds);
-  hn::Store(c31, d, s + 3 * lds + L);
-  if constexpr (R == 8) {
-    hn::Store(c40, d, s + 4 * lds);
-    hn::Store(c41, d, s + 4 * lds + L);
-    hn::Store(c50, d, s + 5 * lds);
-    hn::Store(c51, d, s + 5 * lds + L);
-    hn::Store(c60, d, s + 6 * lds);
-    hn::Store(c61, d, s + 6 * lds + L);
-    hn::Store(c70, d, s + 7 * lds);
-    hn::Store(c71, d, s + 7 * lds + L);
+#undef DFSS_MICROKERNEL_ROW
+#define DFSS_MICROKERNEL_STORE(r)             \
+  if constexpr (r < R) {                      \
+    hn::Store(c##r##0, d, s + r * lds);       \
+    hn::Store(c##r##1, d, s + r * lds + L);   \
   }
+  DFSS_MICROKERNEL_STORE(0)
+  DFSS_MICROKERNEL_STORE(1)
+  DFSS_MICROKERNEL_STORE(2)
+  DFSS_MICROKERNEL_STORE(3)
+  DFSS_MICROKERNEL_STORE(4)
+  DFSS_MICROKERNEL_STORE(5)
+  DFSS_MICROKERNEL_STORE(6)
+  DFSS_MICROKERNEL_STORE(7)
+#undef DFSS_MICROKERNEL_STORE
 }
 
 /// acc[0, NV vectors) += sum over t < n of weight(t) * row(t)[0, NV vectors), the accumulator held

@@ -61,26 +61,20 @@ void parallel_for(std::int64_t tasks, int requested, schedule sched, Prepare&& p
       ready = false;
       record();
     }
+    const auto run_task = [&](std::int64_t t) {
+      if (!ready || failed) return;
+      try {
+        body(t);
+      } catch (...) {
+        record();
+      }
+    };
     if (sched == schedule::dynamic) {
 #pragma omp for schedule(dynamic, 1)
-      for (std::int64_t t = 0; t < tasks; ++t) {
-        if (!ready || failed) continue;
-        try {
-          body(t);
-        } catch (...) {
-          record();
-        }
-      }
+      for (std::int64_t t = 0; t < tasks; ++t) run_task(t);
     } else {
 #pragma omp for schedule(static)
-      for (std::int64_t t = 0; t < tasks; ++t) {
-        if (!ready || failed) continue;
-        try {
-          body(t);
-        } catch (...) {
-          record();
-        }
-      }
+      for (std::int64_t t = 0; t < tasks; ++t) run_task(t);
     }
   }
   if (failure) std::rethrow_exception(failure);

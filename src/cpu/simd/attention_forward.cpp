@@ -41,10 +41,20 @@ class forward_pass : public kernel<T> {
   forward_pass(const attention_params& p, bool bf16_dot)
       : base(p, uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : kMinKeyTile),
         dot_(uses_dot(bf16_dot)),
-        dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && !dot_),
+        dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && (!dot_ || dense_dot_fits())),
         pair_tiles_(kPairBlocks && p.pattern_n == 1 && p.pattern_m == 2 && !dot_) {}
 
   static constexpr bool uses_dot(bool bf16_dot) { return DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16>; }
+
+  /// With the bf16 dot products, dense tiles run blocked when a tile's key pairs fit
+  /// bf16dot::pv_tile_rows.
+  bool dense_dot_fits() const {
+#if DFSS_SIMD_BF16_DOT
+    return w_ <= 2 * bf16dot::kTilePairs;
+#else
+    return false;
+#endif
+  }
 
   void run() const {
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
@@ -57,6 +67,9 @@ class forward_pass : public kernel<T> {
           this->reserve(worker_scratch<workspace>(), /*backward=*/false);
 #if DFSS_SIMD_BF16_DOT
           if (dot_) this->reserve_bf16(worker_scratch<workspace>());
+          if (dot_ && dense_tiles_) {
+            worker_scratch<workspace>().vpair.resize(static_cast<std::size_t>((this->lk_pad_ / 2 + 1) * dp_));
+          }
 #endif
           if (pair_tiles_) worker_scratch<workspace>().vn.resize(static_cast<std::size_t>((p_.seqlen_k / 2 + 1) * dp_));
         },
@@ -75,8 +88,8 @@ class forward_pass : public kernel<T> {
   using base::w_;
   using base::zero_row_;
   const bool dot_;
-  /// Dense pattern on a fixed-width target (and not the bf16 dot products): a key tile that no row
-  /// masks runs P V as a blocked product over the task's rows (blocked_values).
+  /// Dense pattern on a fixed-width target: a key tile that no row masks runs P V as a blocked
+  /// product over the task's rows (blocked_values; with the bf16 dot products, bf16dot::pv_tile_rows).
   const bool dense_tiles_;
   /// 1:2 on a fixed-width target (and not the bf16 dot products): a key tile that no row masks
   /// runs P V as a blocked product over the task's rows, each row's kept key of a pair selected by
@@ -266,6 +279,9 @@ class forward_pass : public kernel<T> {
   /// weights in the rows' slots of ws.comp_val, the odd keys' V rows negated in ws.vn). Each row's
   /// sums come out bitwise as from values().
   void blocked_values(workspace& ws, std::uint32_t blocked, std::int64_t j0) const {
+#if DFSS_SIMD_BF16_DOT
+    if (dot_) return blocked_values_bf16(ws, blocked, j0);
+#endif
 #if !HWY_HAVE_SCALABLE
     const float* v0 = ws.vp.ptr + j0 * dp_;
     const float* v1 = pair_tiles_ ? ws.vn.ptr + (j0 / 2) * dp_ : v0;
@@ -295,15 +311,50 @@ class forward_pass : public kernel<T> {
 #endif
   }
 
+  /// avx3_bf16, dense: blocked_values with bf16 dot products (bf16dot::pv_tile_rows: the weights
+  /// rounded to bf16, key pairs from ws.vpair), bf16dot::kTileRows rows per call.
+  void blocked_values_bf16(workspace& ws, std::uint32_t blocked, std::int64_t j0) const {
+#if DFSS_SIMD_BF16_DOT
+    const std::uint32_t* v = ws.vpair.ptr + (j0 / 2) * dp_;
+    float* acc[bf16dot::kTileRows];
+    const float* w[bf16dot::kTileRows];
+    int n = 0;
+    for (; blocked != 0; blocked &= blocked - 1) {
+      const int i = hwy::Num0BitsBelowLS1Bit_Nonzero32(blocked);
+      acc[n] = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
+      w[n] = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+      if (++n == bf16dot::kTileRows) {
+        bf16dot::pv_tile_rows(acc, n, dp_, w, v, w_ / 2);
+        n = 0;
+      }
+    }
+    if (n > 0) bf16dot::pv_tile_rows(acc, n, dp_, w, v, w_ / 2);
+#else
+    (void)ws, (void)blocked, (void)j0;
+#endif
+  }
+
   // The three steps the avx3_bf16 forward does with bf16 dot products (bf16_dot.hpp); every other
   // instance, and avx3_bf16 on f32 and f16 inputs, runs the fp32 code.
 
   /// Packs K and V of (batch b, kv head hk) into the thread's scratch.
   void pack(workspace& ws, std::int64_t b, std::int64_t hk) const {
-#if DFSS_SIMD_BF16_DOT
-    if (dot_) return this->pack_head_bf16(ws, b, hk);
-#endif
     const bool fresh = ws.packed_for != &p_ || ws.packed_b != b || ws.packed_hk != hk;
+#if DFSS_SIMD_BF16_DOT
+    if (dot_) {
+      this->pack_head_bf16(ws, b, hk);
+      if (dense_tiles_ && fresh) {
+        // blocked_values_bf16's key pairs (rows past the keys are zero).
+        float* rows = ws.pack.ptr;
+        for (std::int64_t g = 0; 2 * g < p_.seqlen_k; ++g) {
+          this->load_row(p_.v, p_.v_stride, b, 2 * g, hk, true, rows);
+          this->load_row(p_.v, p_.v_stride, b, 2 * g + 1, hk, 2 * g + 1 < p_.seqlen_k, rows + dp_);
+          bf16dot::pack_value_pair(rows, rows + dp_, dp_, ws.vpair.ptr + g * dp_);
+        }
+      }
+      return;
+    }
+#endif
     this->pack_head(ws, b, hk);
     if (pair_tiles_ && fresh) {
       // blocked_values' odd keys of 1:2 pairs: V row 2 g + 1 negated, as row g of ws.vn.

@@ -50,4 +50,21 @@ void qk_tile(const std::uint32_t* q, int rows, int dp, const std::uint32_t* pane
 /// and v(t) = @p v + off[t] (a packed value row). @p n is even: keys are taken in pairs.
 void pv_row(float* acc, int dp, int n, const float* p, const std::int32_t* off, const std::uint16_t* v) noexcept;
 
+/// Packs the value rows of keys 2 g and 2 g + 1 (@p even, @p odd: fp32 holding bf16 values) as dp
+/// pairs for pv_tile_rows: column c's two values in one 32-bit lane, key 2 g's in the low half
+/// (where a weight pair holds p_2g).
+void pack_value_pair(const float* even, const float* odd, int dp, std::uint32_t* out) noexcept;
+
+/// Rows per call of pv_tile_rows at most (16 accumulators of the 32 registers).
+inline constexpr int kTileRows = 4;
+/// Key pairs per call of pv_tile_rows at most (a key tile of 128, the bf16 path's tile width).
+inline constexpr int kTilePairs = 64;
+
+/// The dense P V of one key tile for @p rows <= kTileRows query rows, each V vector loaded once for
+/// all of them: acc[r][0, dp) += sum over pairs g < @p pairs of p_r,2g v_2g + p_r,2g+1 v_2g+1, the
+/// weights @p p[r] (fp32, the tile's keys in order) rounded to bf16 (round to nearest even), @p v
+/// the tile's key pairs (pack_value_pair, dp lanes each), dp a multiple of 16, pairs <= kTilePairs.
+void pv_tile_rows(float* const* acc, int rows, int dp, const float* const* p, const std::uint32_t* v,
+                  int pairs) noexcept;
+
 }  // namespace dfss::cpu::bf16dot

@@ -127,7 +127,74 @@ void pv_chunk(float* acc, int n, const float* p, const std::int32_t* off, const 
   }
 }
 
+/// pv_tile_rows on R rows and NV accumulators of 16 columns per row: per key pair, NV loads of
+/// packed pairs serve the R rows' NV vdpbf16ps each.
+template <int R, int NV>
+void pv_tile_block(float* const* acc, int c0, const std::uint32_t (*w)[kTilePairs], const std::uint32_t* v, int dp,
+                   int pairs) noexcept {
+  __m512 a[R][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int k = 0; k < NV; ++k) a[r][k] = _mm512_loadu_ps(acc[r] + c0 + 16 * k);
+  }
+  for (int g = 0; g < pairs; ++g) {
+    __m512bh wr[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) wr[r] = as_bh(_mm512_set1_epi32(static_cast<int>(w[r][g])));
+    const std::uint32_t* x = v + static_cast<std::ptrdiff_t>(g) * dp + c0;
+#pragma GCC unroll 4
+    for (int k = 0; k < NV; ++k) {
+      __m512i xv = _mm512_loadu_si512(x + 16 * k);
+      asm("" : "+v"(xv));  // one load for the R rows (GCC would fold it into each vdpbf16ps)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) a[r][k] = _mm512_dpbf16_ps(a[r][k], wr[r], as_bh(xv));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc[r] + c0 + 16 * k, a[r][k]);
+  }
+}
+
+template <int R>
+void pv_tile_columns(float* const* acc, const std::uint32_t (*w)[kTilePairs], const std::uint32_t* v, int dp, int pairs) noexcept {
+  for (int c0 = 0; c0 < dp; c0 += 64) {
+    switch (dp - c0 >= 64 ? 4 : (dp - c0) / 16) {
+      case 1: pv_tile_block<R, 1>(acc, c0, w, v, dp, pairs); break;
+      case 2: pv_tile_block<R, 2>(acc, c0, w, v, dp, pairs); break;
+      case 3: pv_tile_block<R, 3>(acc, c0, w, v, dp, pairs); break;
+      default: pv_tile_block<R, 4>(acc, c0, w, v, dp, pairs); break;
+    }
+  }
+}
+
 }  // namespace
+
+void pack_value_pair(const float* even, const float* odd, int dp, std::uint32_t* out) noexcept {
+  for (int c = 0; c < dp; ++c) out[c] = bf16_bits(odd[c]) << 16 | bf16_bits(even[c]);
+}
+
+void pv_tile_rows(float* const* acc, int rows, int dp, const float* const* p, const std::uint32_t* v,
+                  int pairs) noexcept {
+  // Each row's weights as bf16 pairs (p_2g in the low half), 16 weights per conversion.
+  alignas(64) std::uint32_t w[kTileRows][kTilePairs];
+  for (int r = 0; r < rows; ++r) {
+    for (int t = 0; t < 2 * pairs; t += 16) {
+      const int left = 2 * pairs - t < 16 ? 2 * pairs - t : 16;
+      const __mmask16 m = static_cast<__mmask16>((1u << left) - 1u);
+      const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p[r] + t));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w[r] + t / 2), __builtin_bit_cast(__m256i, pb));
+    }
+  }
+  switch (rows) {
+    case 1: pv_tile_columns<1>(acc, w, v, dp, pairs); break;
+    case 2: pv_tile_columns<2>(acc, w, v, dp, pairs); break;
+    case 3: pv_tile_columns<3>(acc, w, v, dp, pairs); break;
+    default: pv_tile_columns<4>(acc, w, v, dp, pairs); break;
+  }
+}
 
 void pack_query_row(const float* row, int dp, std::uint32_t* out) noexcept {
   for (int c = 0; c < dp; c += 2) out[c / 2] = column_pair(row, c);

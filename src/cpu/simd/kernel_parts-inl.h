@@ -110,6 +110,7 @@ struct workspace {
   // in bf16 (in pack_value_row's column order).
   aligned_buffer<std::uint32_t> kb, qb;
   aligned_buffer<std::uint16_t> vb;
+  aligned_buffer<std::uint32_t> vpair;  ///< avx3_bf16, dense: V rows of key pairs (pack_value_pair)
 };
 
 /// The entry point of a kernel file in the static baseline target Highway always compiles (see

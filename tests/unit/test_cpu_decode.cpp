@@ -6,6 +6,9 @@
 // inside a group), grouped and multi-query heads, causal masks with Lq > 1, a bias, and bitwise
 // equality across thread counts. Non-finite and extreme inputs: test_extreme_values.cpp
 // (ExtremeDecode.SlicesMatchReference).
+// The fused forward's split keys (CpuSplitForward): with fewer than kSplitTargetTasks row tasks
+// and long key ranges the fused forward splits each row task's keys into chunks merged the same
+// exact way; same checks on shapes just above the decode kernel's Lq.
 //
 // Tolerance policy (test_cpu.cpp's): scores of small-integer inputs are exact in fp32, so the
 // selection must be the reference's exactly, and each output is a convex combination of at most Lk
@@ -289,6 +292,97 @@ TEST(CpuDecode, DirectAndPanelTilesInOneTask) {
       }
     }
     // The LSE of the NaN rows is NaN, and the others' are checked through O.
+    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/false);
+  }
+}
+
+/// Shapes the fused forward splits over key chunks (Lq > kDecodeMaxQueryRows, fewer than 32 row
+/// tasks of 32 query rows, Lk >= 2048): 2 to 8 chunks of whole key tiles; key lengths ending inside
+/// a chunk and a group, and 0; causal rows with Lq < Lk; GQA and MHA; a bias; an odd d.
+std::vector<shape> split_shapes() {
+  return {
+      {1, 9, 2048, 1, 1, 8, false, false, {}},
+      {2, 40, 5003, 4, 2, 24, true, false, {5003, 2501}},
+      {1, 33, 9001, 2, 1, 64, false, true, {}},
+      {3, 20, 4099, 2, 2, 13, true, false, {4099, 0, 1030}},
+  };
+}
+
+TEST(CpuSplitForward, SelectorPicksTheFusedForward) {
+  for (cpu_isa isa : runnable_cpu_isas()) {
+    if (isa == cpu_isa::generic) continue;  // the scalar twin does not split
+    for (const shape& s : split_shapes()) {
+      problem pr;
+      pr.B = s.B, pr.Lq = s.Lq, pr.Lk = s.Lk, pr.H = s.H, pr.Hkv = s.Hkv, pr.d = s.d;
+      EXPECT_EQ(selected(pr, isa), std::string("cpu.fused_forward.") + cpu_isa_name(isa)) << pr.describe();
+    }
+  }
+}
+
+TEST(CpuSplitForward, MatchesReferenceOnExactScoresForEveryThreadCount) {
+  std::mt19937_64 rng(test_seed() + 111);
+  for (const shape& s : split_shapes()) {
+    for (pattern pat : kPatterns) {
+      const problem pr = make_problem(s, pat, rng, /*integers=*/true);
+      expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true);
+    }
+  }
+}
+
+TEST(CpuSplitForward, SixteenBitInputsAndOutputs) {
+  // bf16 and f16 inputs (on avx3_bf16 the bf16 dot products: their own packing of each chunk),
+  // small integers (exact in both), fp32 outputs. avx3_bf16 rounds P to bf16 in P V (relative
+  // 2^-9 per weight, so at most 2^-9 max|v| on a convex combination): 2^-8 max|v| on top of the
+  // fp32 bound for bf16 inputs.
+  std::mt19937_64 rng(test_seed() + 112);
+  const shape s{1, 40, 6000, 2, 1, 64, true, false, {}};
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{4, 4}}) {
+    const problem pr = make_problem(s, pat, rng, /*integers=*/true);
+    const auto want = run_forward(pr);
+    for (cpu_isa isa : runnable_cpu_isas()) {
+      for (dtype t : {dtype::bf16, dtype::f16}) {
+        run_options opt;
+        opt.type = t;
+        opt.out_type = dtype::f32;
+        opt.backend = backend::cpu;
+        opt.isa = isa;
+        const auto got = run_forward(pr, opt);
+        double vmax = 0, err = 0;
+        for (double x : pr.v) vmax = std::max(vmax, std::abs(x));
+        for (std::size_t x = 0; x < got.o.size(); ++x) err = std::max(err, std::abs(got.o[x] - want.o[x]));
+        const double p_rounding = t == dtype::bf16 ? 0x1p-8 * vmax : 0.0;
+        EXPECT_LE(err, output_tol(pr) + p_rounding) << label(pr, isa, t);
+      }
+    }
+  }
+}
+
+TEST(CpuSplitForward, PositionsWindowsAndNonFiniteAcrossChunks) {
+  // Sink and recent windows spanning a chunk boundary, key and query offsets; then a huge K value
+  // (2^60 times a small integer) in one chunk and a NaN key seen by the last causal row only, with
+  // NaN in K and V past batch 1's length (never read).
+  std::mt19937_64 rng(test_seed() + 113);
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 4}}) {
+    shape s{2, 12, 4099, 4, 2, 16, true, false, {4099, 2050}};
+    problem pr = make_problem(s, pat, rng, /*integers=*/true);
+    pr.key_offset = 16;
+    pr.query_offset = {pr.key_offset + 3001, pr.key_offset + 2050 - pr.Lq};
+    pr.sink = 5;
+    pr.recent = 1100;
+    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true);
+  }
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{4, 4}}) {
+    shape s{2, 10, 3001, 2, 1, 64, true, false, {3001, 1999}};
+    problem pr = make_problem(s, pat, rng, /*integers=*/true);
+    const auto kv_at = [&pr](std::int64_t b, std::int64_t j, std::int64_t hk, std::int64_t c) {
+      return static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + hk) * pr.d + c);
+    };
+    for (std::int64_t c = 0; c < pr.d; ++c) {
+      pr.k[kv_at(0, 700, 0, c)] *= 0x1p60;
+      if (c == 3) pr.k[kv_at(0, 3000, 0, c)] = nan;
+      for (std::int64_t j = 1999; j < pr.Lk; ++j) pr.k[kv_at(1, j, 0, c)] = pr.v[kv_at(1, j, 0, c)] = nan;
+    }
     expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/false);
   }
 }

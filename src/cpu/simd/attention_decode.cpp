@@ -126,7 +126,7 @@ class decode_pass : public kernel<T> {
     const auto states = static_cast<std::size_t>(tasks * rows_);
     std::vector<float> part_acc(states * static_cast<std::size_t>(dp_)), part_max(states), part_sum(states);
     std::vector<unsigned char> part_nan(states);
-    partials parts{part_acc.data(), part_max.data(), part_sum.data(), part_nan.data()};
+    partial_states parts{part_acc.data(), part_max.data(), part_sum.data(), part_nan.data()};
     // Tasks cost the same but for masks (key lengths, causal rows): one at a time. The task that
     // finishes the last chunk of a (batch, kv head) folds it, in chunk order whichever thread that
     // is, so there is one parallel region (a second one for the fold cost a whole time slice per
@@ -156,14 +156,6 @@ class decode_pass : public kernel<T> {
   using base::panel_;
   using base::scale_;
   using base::w_;
-
-  /// The partial states of every task: [task][row] (accumulators [task][row][dp]).
-  struct partials {
-    float* acc;
-    float* max;
-    float* sum;
-    unsigned char* nan;
-  };
 
   void reserve(decode_workspace& ws) const {
     const auto rows = static_cast<std::size_t>(rows_mk_);
@@ -195,7 +187,7 @@ class decode_pass : public kernel<T> {
   std::int64_t head_of(std::int64_t hk, int r) const { return hk * group_ + r / p_.seqlen_q; }
   std::int64_t row_of(int r) const { return r % p_.seqlen_q; }
 
-  void task(decode_workspace& ws, std::int64_t t, const partials& parts) const {
+  void task(decode_workspace& ws, std::int64_t t, const partial_states& parts) const {
     const std::int64_t chunk = t % chunks_;
     const std::int64_t hk = (t / chunks_) % p_.heads_kv;
     const std::int64_t b = t / (chunks_ * p_.heads_kv);
@@ -719,49 +711,15 @@ class decode_pass : public kernel<T> {
   }
 
   /// Folds the chunks of (batch, kv head) @p pair in increasing order and writes O and LSE.
-  void fold(std::int64_t pair, const partials& parts) const {
+  void fold(std::int64_t pair, const partial_states& parts) const {
     const std::int64_t hk = pair % p_.heads_kv, b = pair / p_.heads_kv;
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    const float nan = std::numeric_limits<float>::quiet_NaN();
     std::vector<float> acc(static_cast<std::size_t>(dp_));
     for (int r = 0; r < rows_; ++r) {
-      float mx = neg_inf, sum = 0.0f;
+      float mx = 0.0f, sum = 0.0f;
       bool is_nan = false;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (std::int64_t c = 0; c < chunks_; ++c) {
-        const std::size_t at = static_cast<std::size_t>((pair * chunks_ + c) * rows_ + r);
-        const float* pa = parts.acc + at * static_cast<std::size_t>(dp_);
-        const float pm = parts.max[at], ps = parts.sum[at];
-        is_nan = is_nan || parts.nan[at] != 0;
-        if (pm == neg_inf) continue;  // nothing kept in this chunk
-        if (mx == neg_inf) {
-          mx = pm;
-          sum = ps;
-          std::copy(pa, pa + dp_, acc.begin());
-        } else if (pm > mx) {
-          const float corr = std::exp2(((mx - pm) * e1_) * e2_);
-          for (int k = 0; k < dp_; ++k) acc[static_cast<std::size_t>(k)] = acc[static_cast<std::size_t>(k)] * corr + pa[k];
-          sum = sum * corr + ps;
-          mx = pm;
-        } else {
-          const float corr = std::exp2(((pm - mx) * e1_) * e2_);
-          for (int k = 0; k < dp_; ++k) acc[static_cast<std::size_t>(k)] += pa[k] * corr;
-          sum += ps * corr;
-        }
-      }
-      const std::int64_t h = head_of(hk, r), i = row_of(r);
-      const bool empty = mx == neg_inf;
-      const float inv = empty ? 0.0f : 1.0f / sum;
-      for (int c = 0; c < d_; ++c) {
-        core::store_from_double(p_.o, p_.output_type, core::offset4(p_.o_stride, b, i, h, c),
-                                static_cast<double>(is_nan ? nan : acc[static_cast<std::size_t>(c)] * inv));
-      }
-      if (p_.lse != nullptr) {
-        // As the fused forward: scale * max overflows to +-inf exactly where the reference's does.
-        const float lse = is_nan ? nan : (empty ? neg_inf : scale_ * mx + std::log2(sum) * kLn2);
-        core::store_from_double(p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2],
-                                static_cast<double>(lse));
-      }
+      this->fold_states(parts, static_cast<std::size_t>(pair * chunks_ * rows_ + r), static_cast<std::size_t>(rows_),
+                        chunks_, acc.data(), mx, sum, is_nan);
+      this->store_row(b, row_of(r), head_of(hk, r), acc.data(), mx, sum, is_nan);
     }
   }
 

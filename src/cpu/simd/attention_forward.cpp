@@ -18,7 +18,9 @@
 // flagged per task while packing) is written as NaN. Dense (N = M) runs the same code with an
 // identity selection, so the sparsity's own speedup is measured against an equally optimised
 // dense kernel. Every row is computed by one worker in a fixed order: results are bitwise
-// identical for any thread count.
+// identical for any thread count. A shape with few row tasks and many keys splits each row task's
+// keys into chunks of whole key tiles (split_chunk_keys, a rule of the shape only), computed as
+// separate tasks and folded exactly in chunk order (docs/design.md, "Split keys").
 #include "cpu/simd/targets.hpp"  // first: it fixes the compiled targets
 
 #undef HWY_TARGET_INCLUDE
@@ -26,6 +28,10 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "cpu/simd/kernel_parts-inl.h"
+
+#include <atomic>
+#include <memory>
+#include <vector>
 
 HWY_BEFORE_NAMESPACE();
 namespace dfss::cpu::simd::HWY_NAMESPACE {
@@ -42,7 +48,10 @@ class forward_pass : public kernel<T> {
       : base(p, uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : kMinKeyTile),
         dot_(uses_dot(bf16_dot)),
         dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && (!dot_ || dense_dot_fits())),
-        pair_tiles_(kPairBlocks && p.pattern_n == 1 && p.pattern_m == 2 && !dot_) {}
+        pair_tiles_(kPairBlocks && p.pattern_n == 1 && p.pattern_m == 2 && !dot_),
+        q_tiles_((p.seqlen_q + kRowsPerTask - 1) / kRowsPerTask),
+        chunk_(split_chunk_keys(p, q_tiles_, w_)),
+        chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)) {}
 
   static constexpr bool uses_dot(bool bf16_dot) { return DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16>; }
 
@@ -57,10 +66,21 @@ class forward_pass : public kernel<T> {
   }
 
   void run() const {
-    const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
-    const std::int64_t tasks = p_.batch * p_.heads * q_tiles;
+    const std::int64_t row_tasks = p_.batch * p_.heads * q_tiles_;
+    const std::int64_t tasks = row_tasks * chunks_;
+    // Split keys: the partial state of every (row task, chunk, row), and per row task the count of
+    // its chunks done; the task that finishes a row task's last chunk folds them in chunk order.
+    const auto states = static_cast<std::size_t>(chunks_ > 1 ? tasks * kRowsPerTask : 0);
+    std::vector<float> part_acc(states * static_cast<std::size_t>(dp_)), part_max(states), part_sum(states);
+    std::vector<unsigned char> part_nan(states);
+    const partial_states parts{part_acc.data(), part_max.data(), part_sum.data(), part_nan.data()};
+    std::unique_ptr<std::atomic<std::int64_t>[]> finished;
+    if (chunks_ > 1) {
+      finished.reset(new std::atomic<std::int64_t>[static_cast<std::size_t>(row_tasks)]);
+      for (std::int64_t r = 0; r < row_tasks; ++r) finished[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
+    }
     // Causal tasks differ in cost: hand them out one at a time. Otherwise contiguous chunks let
-    // each worker pack each (batch, kv head) once.
+    // each worker pack each (batch, kv head) (or key chunk of it) once.
     parallel_for(
         tasks, p_.num_threads, p_.causal ? schedule::dynamic : schedule::contiguous,
         [&] {
@@ -73,7 +93,29 @@ class forward_pass : public kernel<T> {
 #endif
           if (pair_tiles_) worker_scratch<workspace>().vn.resize(static_cast<std::size_t>((p_.seqlen_k / 2 + 1) * dp_));
         },
-        [&](std::int64_t t) { task(worker_scratch<workspace>(), t, q_tiles); });
+        [&](std::int64_t t) {
+          const std::int64_t row_task = task(worker_scratch<workspace>(), t, parts);
+          // acq_rel: the folding task sees the partial states every other chunk of the row task wrote.
+          if (chunks_ > 1 &&
+              finished[static_cast<std::size_t>(row_task)].fetch_add(1, std::memory_order_acq_rel) + 1 == chunks_) {
+            fold(row_task, parts);
+          }
+        });
+  }
+
+  /// Keys per chunk when the forward splits each row task's keys (flash-decoding): when the shape
+  /// has fewer than kSplitTargetTasks row tasks and at least 2 kSplitMinChunk keys, into chunks of
+  /// at least kSplitMinChunk keys, a multiple of the key tile @p w (so of M: the split is exact), to
+  /// make about kSplitTargetTasks tasks; else all keys (lk_pad). A function of the shape only, never
+  /// of the thread count, so results stay bitwise identical for any thread count.
+  static std::int64_t split_chunk_keys(const attention_params& p, std::int64_t q_tiles, int w) {
+    const std::int64_t all = (p.seqlen_k + w - 1) / w * w;
+    const std::int64_t row_tasks = p.batch * p.heads * q_tiles;
+    if (row_tasks >= kSplitTargetTasks || p.seqlen_k < 2 * kSplitMinChunk) return all;
+    const std::int64_t want = (kSplitTargetTasks + row_tasks - 1) / row_tasks;
+    const std::int64_t chunks = std::min(want, p.seqlen_k / kSplitMinChunk);
+    const std::int64_t keys = (p.seqlen_k + chunks - 1) / chunks;
+    return std::min(all, (keys + w - 1) / w * w);
   }
 
  private:
@@ -95,17 +137,36 @@ class forward_pass : public kernel<T> {
   /// runs P V as a blocked product over the task's rows, each row's kept key of a pair selected by
   /// its weight's sign (blocked_values).
   const bool pair_tiles_;
+  /// Row tasks of the shape, query tiles per (batch, head), key chunk length and count
+  /// (split_chunk_keys; one chunk of all keys unless the forward splits).
+  const std::int64_t q_tiles_, chunk_, chunks_;
   static_assert(kRowsPerTask <= 32, "rows of a task are bits of a std::uint32_t");
 
-  void task(workspace& ws, std::int64_t t, std::int64_t q_tiles) const {
-    const std::int64_t qt = t % q_tiles;
-    const std::int64_t h = (t / q_tiles) % p_.heads;
-    const std::int64_t b = t / (q_tiles * p_.heads);
-    const std::int64_t hk = h / group_;
+  /// Task @p t: query tile qt of (batch b, head h), key chunk c, ordered (b, kv head, c, head of
+  /// the group, qt) so that consecutive tasks share the packed keys. Returns the row task
+  /// ((b, h, qt), as numbered without chunks). One chunk: writes O and LSE; else leaves the rows'
+  /// partial states in @p parts.
+  std::int64_t task(workspace& ws, std::int64_t t, const partial_states& parts) const {
+    const std::int64_t qt = t % q_tiles_;
+    const std::int64_t hg = (t / q_tiles_) % group_;
+    const std::int64_t c = (t / (q_tiles_ * group_)) % chunks_;
+    const std::int64_t hk = (t / (q_tiles_ * group_ * chunks_)) % p_.heads_kv;
+    const std::int64_t b = t / (q_tiles_ * group_ * chunks_ * p_.heads_kv);
+    const std::int64_t h = hk * group_ + hg;
+    const std::int64_t row_task = (b * p_.heads + h) * q_tiles_ + qt;
     const std::int64_t i0 = qt * kRowsPerTask;
     const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
     const int rows_mk = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;
-    pack(ws, b, hk);
+    const std::int64_t k0 = c * chunk_, k1 = std::min(this->lk_pad_, k0 + chunk_);
+    std::int64_t tile_end = 0;  // keys beyond the last visible key of any row of the task are skipped
+    for (int i = 0; i < rows; ++i) {
+      ws.row_max.ptr[i] = -std::numeric_limits<float>::infinity();
+      ws.row_sum.ptr[i] = 0.0f;
+      ws.row_nan.ptr[i] = 0;
+      tile_end = std::max(tile_end, this->key_limit(b, i0 + i));
+    }
+    tile_end = std::min(tile_end, k1);
+    if (k0 < tile_end) pack(ws, b, hk, k0, k1);
 
     float* q = ws.q.ptr;
     ws.risky = ws.kv_risky || p_.bias != nullptr;
@@ -115,15 +176,7 @@ class forward_pass : public kernel<T> {
       if (dot_) pack_query_row(ws, q, i);
     }
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
-    std::int64_t tile_end = 0;  // keys beyond the last visible key of any row of the task are skipped
-    for (int i = 0; i < rows; ++i) {
-      ws.row_max.ptr[i] = -std::numeric_limits<float>::infinity();
-      ws.row_sum.ptr[i] = 0.0f;
-      ws.row_nan.ptr[i] = 0;
-      tile_end = std::max(tile_end, this->key_limit(b, i0 + i));
-    }
-
-    for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
+    for (std::int64_t j0 = k0; j0 < tile_end; j0 += w_) {
       scores(ws, rows_mk, j0);
       // Rows whose P V for this tile is left to blocked_values.
       std::uint32_t blocked = 0;
@@ -131,25 +184,36 @@ class forward_pass : public kernel<T> {
       if (blocked != 0) blocked_values(ws, blocked, j0);
     }
 
-    const float nan = std::numeric_limits<float>::quiet_NaN();
+    if (chunks_ == 1) {
+      for (int i = 0; i < rows; ++i) {
+        this->store_row(b, i0 + i, h, ws.acc.ptr + i * dp_, ws.row_max.ptr[i], ws.row_sum.ptr[i], ws.row_nan.ptr[i] != 0);
+      }
+      return row_task;
+    }
     for (int i = 0; i < rows; ++i) {
-      const float mx = ws.row_max.ptr[i], sum = ws.row_sum.ptr[i];
-      const bool is_nan = ws.row_nan.ptr[i] != 0;
-      const bool empty = mx == -std::numeric_limits<float>::infinity();
-      const float inv = empty ? 0.0f : 1.0f / sum;
-      const float* acc = ws.acc.ptr + i * dp_;
-      for (int c = 0; c < d_; ++c) {
-        core::store_from_double(p_.o, p_.output_type, core::offset4(p_.o_stride, b, i0 + i, h, c),
-                                static_cast<double>(is_nan ? nan : acc[c] * inv));
-      }
-      if (p_.lse != nullptr) {
-        // scale * max overflows to +-inf exactly where the reference's LSE, rounded to fp32, does.
-        const float lse =
-            is_nan ? nan : (empty ? -std::numeric_limits<float>::infinity() : scale_ * mx + std::log2(sum) * kLn2);
-        core::store_from_double(p_.lse, p_.lse_type,
-                                b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + i) * p_.lse_stride[2],
-                                static_cast<double>(lse));
-      }
+      const auto at = static_cast<std::size_t>((row_task * chunks_ + c) * kRowsPerTask + i);
+      std::copy(ws.acc.ptr + i * dp_, ws.acc.ptr + (i + 1) * dp_, parts.acc + at * static_cast<std::size_t>(dp_));
+      parts.max[at] = ws.row_max.ptr[i];
+      parts.sum[at] = ws.row_sum.ptr[i];
+      parts.nan[at] = ws.row_nan.ptr[i] != 0 ? 1 : 0;
+    }
+    return row_task;
+  }
+
+  /// Folds the chunks of row task @p row_task (split keys) in increasing order and writes O and LSE.
+  void fold(std::int64_t row_task, const partial_states& parts) const {
+    const std::int64_t qt = row_task % q_tiles_;
+    const std::int64_t h = (row_task / q_tiles_) % p_.heads;
+    const std::int64_t b = row_task / (q_tiles_ * p_.heads);
+    const std::int64_t i0 = qt * kRowsPerTask;
+    const int rows = static_cast<int>(std::min<std::int64_t>(kRowsPerTask, p_.seqlen_q - i0));
+    std::vector<float> acc(static_cast<std::size_t>(dp_));
+    for (int i = 0; i < rows; ++i) {
+      float mx = 0.0f, sum = 0.0f;
+      bool is_nan = false;
+      this->fold_states(parts, static_cast<std::size_t>(row_task * chunks_ * kRowsPerTask + i), kRowsPerTask, chunks_,
+                        acc.data(), mx, sum, is_nan);
+      this->store_row(b, i0 + i, h, acc.data(), mx, sum, is_nan);
     }
   }
 
@@ -337,16 +401,17 @@ class forward_pass : public kernel<T> {
   // The three steps the avx3_bf16 forward does with bf16 dot products (bf16_dot.hpp); every other
   // instance, and avx3_bf16 on f32 and f16 inputs, runs the fp32 code.
 
-  /// Packs K and V of (batch b, kv head hk) into the thread's scratch.
-  void pack(workspace& ws, std::int64_t b, std::int64_t hk) const {
-    const bool fresh = ws.packed_for != &p_ || ws.packed_b != b || ws.packed_hk != hk;
+  /// Packs keys [k0, k1) of K and V of (batch b, kv head hk) into the thread's scratch.
+  void pack(workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t k0, std::int64_t k1) const {
+    const bool fresh = !this->is_packed(ws, b, hk, k0);
+    const std::int64_t keys = std::min(k1, p_.seqlen_k);
 #if DFSS_SIMD_BF16_DOT
     if (dot_) {
-      this->pack_head_bf16(ws, b, hk);
+      this->pack_head_bf16(ws, b, hk, k0, k1);
       if (dense_tiles_ && fresh) {
         // blocked_values_bf16's key pairs (rows past the keys are zero).
         float* rows = ws.pack.ptr;
-        for (std::int64_t g = 0; 2 * g < p_.seqlen_k; ++g) {
+        for (std::int64_t g = k0 / 2; 2 * g < keys; ++g) {
           this->load_row(p_.v, p_.v_stride, b, 2 * g, hk, true, rows);
           this->load_row(p_.v, p_.v_stride, b, 2 * g + 1, hk, 2 * g + 1 < p_.seqlen_k, rows + dp_);
           bf16dot::pack_value_pair(rows, rows + dp_, dp_, ws.vpair.ptr + g * dp_);
@@ -355,11 +420,11 @@ class forward_pass : public kernel<T> {
       return;
     }
 #endif
-    this->pack_head(ws, b, hk);
+    this->pack_head(ws, b, hk, k0, k1);
     if (pair_tiles_ && fresh) {
       // blocked_values' odd keys of 1:2 pairs: V row 2 g + 1 negated, as row g of ws.vn.
       const DF d;
-      for (std::int64_t g = 0; 2 * g + 1 < p_.seqlen_k; ++g) {
+      for (std::int64_t g = k0 / 2; 2 * g + 1 < keys; ++g) {
         const float* src = ws.vp.ptr + (2 * g + 1) * dp_;
         for (int c = 0; c < dp_; c += lanes_) hn::Store(hn::Neg(hn::Load(d, src + c)), d, ws.vn.ptr + g * dp_ + c);
       }

@@ -49,6 +49,16 @@ namespace dfss::cpu::simd {
 /// (32 x dp), S (32 x W) and accumulators (32 x dp) stay in L1/L2 for d = 64. A multiple of every
 /// micro-kernel height (4 and 8).
 inline constexpr int kRowsPerTask = 32;
+/// Row tasks (kRowsPerTask query rows of a (batch, head)) below which the fused forward splits each
+/// row task's keys into chunks (flash-decoding, exact through the LSE merge): enough tasks for up
+/// to a few dozen threads. The rule reads the shape only, so a shape splits the same way on every
+/// machine and thread count (bitwise identical results).
+inline constexpr std::int64_t kSplitTargetTasks = 32;
+/// Shortest key chunk of a split forward: 1024 keys are 32 key tiles, so the per-chunk costs
+/// (loading the task's Q, writing and folding a partial state per row, one extra pass over the
+/// tile's setup) stay around 1% of the chunk's work; as the decode kernel's kDecodeMinChunk, doubled
+/// because a forward task has up to 32 rows to fold instead of one group.
+inline constexpr std::int64_t kSplitMinChunk = 1024;
 /// Minimum key tile width; the real width is a multiple of lcm(M, P) at least this wide. 64 keys of
 /// K (16 KiB at d = 64) fit in L1 next to the S tile; 32 and 128 measured slower for dense at d = 64
 /// with the AVX2 kernel this one replaces.
@@ -95,6 +105,7 @@ struct aligned_buffer {
 /// task scratch. It lives as long as the thread, so repeated calls reuse its pages.
 struct workspace {
   std::int64_t packed_b = -1, packed_hk = -1;
+  std::int64_t packed_k0 = -1;       ///< first key of the packed range (a key chunk of the forward)
   const void* packed_for = nullptr;  ///< the call (its params) the packed head belongs to
   bool kv_risky = false;  ///< the packed K or V holds a non-finite or huge value
   bool risky = false;     ///< the current task can produce NaN or +inf scores
@@ -111,6 +122,16 @@ struct workspace {
   aligned_buffer<std::uint32_t> kb, qb;
   aligned_buffer<std::uint16_t> vb;
   aligned_buffer<std::uint32_t> vpair;  ///< avx3_bf16, dense: V rows of key pairs (pack_value_pair)
+};
+
+/// Partial online-softmax states of rows over chunks of their keys (the decode forward's key chunks,
+/// the fused forward's split key ranges): per state the max of the unscaled kept scores, their sum
+/// of exponentials, the unnormalised accumulator (dp floats, at state * dp) and a NaN flag.
+struct partial_states {
+  float* acc;
+  float* max;
+  float* sum;
+  unsigned char* nan;
 };
 
 /// The entry point of a kernel file in the static baseline target Highway always compiles (see
@@ -506,7 +527,7 @@ struct kernel {
 
   /// Sizes the scratch for this call (may throw std::bad_alloc).
   void reserve(workspace& ws, bool backward) const {
-    ws.packed_b = ws.packed_hk = -1;  // a new call: the packed head may be stale
+    ws.packed_b = ws.packed_hk = ws.packed_k0 = -1;  // a new call: the packed head may be stale
     ws.packed_for = nullptr;
     const auto rows_pad = static_cast<std::size_t>((lk_pad_ + 1) * dp_);
     const auto panels = static_cast<std::size_t>((lk_pad_ / panel_) * dp_ * panel_);
@@ -550,6 +571,61 @@ struct kernel {
   /// Keys visible to query row qi: j < key_limit (key padding, causal and the sequence end).
   std::int64_t key_limit(std::int64_t b, std::int64_t qi) const { return core::visible_end(p_, b, qi); }
 
+  /// Writes output row (batch b, query row i, head h) = acc / sum and its LSE from the row's final
+  /// online-softmax state (max @p mx of the unscaled kept scores, @p sum, unnormalised @p acc).
+  void store_row(std::int64_t b, std::int64_t i, std::int64_t h, const float* acc, float mx, float sum,
+                 bool is_nan) const {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const bool empty = mx == neg_inf;
+    const float inv = empty ? 0.0f : 1.0f / sum;
+    for (int c = 0; c < d_; ++c) {
+      core::store_from_double(p_.o, p_.output_type, core::offset4(p_.o_stride, b, i, h, c),
+                              static_cast<double>(is_nan ? nan : acc[c] * inv));
+    }
+    if (p_.lse != nullptr) {
+      // scale * max overflows to +-inf exactly where the reference's LSE, rounded to fp32, does.
+      const float lse = is_nan ? nan : (empty ? neg_inf : scale_ * mx + std::log2(sum) * kLn2);
+      core::store_from_double(p_.lse, p_.lse_type, b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2],
+                              static_cast<double>(lse));
+    }
+  }
+
+  /// Folds @p count partial states of one row (its keys split into chunks), at @p first,
+  /// first + stride, ... of @p parts, in that order, into @p acc (dp floats), @p mx, @p sum and
+  /// @p is_nan, with the online softmax rescale the kernels apply between key tiles: the exact LSE
+  /// merge of docs/semantics.md held as (max, sum), so a chunk whose scale * max overflows fp32
+  /// still merges to a finite O. A fixed order for a shape: bitwise the same for any thread count.
+  void fold_states(const partial_states& parts, std::size_t first, std::size_t stride, std::int64_t count, float* acc,
+                   float& mx, float& sum, bool& is_nan) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    mx = neg_inf;
+    sum = 0.0f;
+    is_nan = false;
+    std::fill(acc, acc + dp_, 0.0f);
+    for (std::int64_t c = 0; c < count; ++c) {
+      const std::size_t at = first + static_cast<std::size_t>(c) * stride;
+      const float* pa = parts.acc + at * static_cast<std::size_t>(dp_);
+      const float pm = parts.max[at], ps = parts.sum[at];
+      is_nan = is_nan || parts.nan[at] != 0;
+      if (pm == neg_inf) continue;  // nothing kept in this chunk
+      if (mx == neg_inf) {
+        mx = pm;
+        sum = ps;
+        std::copy(pa, pa + dp_, acc);
+      } else if (pm > mx) {
+        const float corr = std::exp2(((mx - pm) * e1_) * e2_);
+        for (int k = 0; k < dp_; ++k) acc[k] = acc[k] * corr + pa[k];
+        sum = sum * corr + ps;
+        mx = pm;
+      } else {
+        const float corr = std::exp2(((pm - mx) * e1_) * e2_);
+        for (int k = 0; k < dp_; ++k) acc[k] += pa[k] * corr;
+        sum += ps * corr;
+      }
+    }
+  }
+
   /// Whether every value of a packed row is finite and at most 2^50 in magnitude: then no product
   /// or sum of d <= 512 such values overflows, so scores are finite and NaN-free.
   bool row_is_tame(const float* row) const {
@@ -592,10 +668,25 @@ struct kernel {
     for (; c < dp_; ++c) out[c] = 0.0f;
   }
 
+  /// Whether the thread's scratch already holds keys [k0, ...) of (batch b, kv head hk) of this call.
+  bool is_packed(const workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t k0) const {
+    return ws.packed_for == &p_ && ws.packed_b == b && ws.packed_hk == hk && ws.packed_k0 == k0;
+  }
+
+  void mark_packed(workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t k0, bool risky) const {
+    ws.kv_risky = risky;
+    ws.packed_b = b;
+    ws.packed_hk = hk;
+    ws.packed_k0 = k0;
+    ws.packed_for = &p_;
+  }
+
   /// Packs K (panels) and V (rows) of (batch b, kv head hk) into the thread's scratch, once per
-  /// call and head (a worker's consecutive tasks mostly share the head).
-  void pack_head(workspace& ws, std::int64_t b, std::int64_t hk) const {
-    if (ws.packed_for == &p_ && ws.packed_b == b && ws.packed_hk == hk) return;
+  /// call and head (a worker's consecutive tasks mostly share the head): keys [k0, k1) (multiples of
+  /// the key tile; by default all), at their places in the whole head's layout, and the zero row.
+  void pack_head(workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t k0 = 0, std::int64_t k1 = -1) const {
+    if (is_packed(ws, b, hk, k0)) return;
+    if (k1 < 0) k1 = lk_pad_;
     float* kt = ws.kt.ptr;
     float* vp = ws.vp.ptr;
     const std::int64_t lk = p_.seqlen_k;
@@ -603,7 +694,7 @@ struct kernel {
     // contiguous stores (storing each row's values P floats apart touched a cache line per value).
     float* rows = ws.pack.ptr;
     bool risky = false;
-    for (std::int64_t blk = 0; blk < lk_pad_ / panel_; ++blk) {
+    for (std::int64_t blk = k0 / panel_; blk < k1 / panel_; ++blk) {
       float* panel = kt + blk * dp_ * panel_;
       for (int t = 0; t < panel_; ++t) {
         const std::int64_t j = blk * panel_ + t;
@@ -614,27 +705,25 @@ struct kernel {
         for (int t = 0; t < panel_; ++t) panel[c * panel_ + t] = rows[t * dp_ + c];
       }
     }
-    for (std::int64_t j = 0; j <= lk_pad_; ++j) {
+    for (std::int64_t j = k0; j < k1; ++j) {
       load_row(p_.v, p_.v_stride, b, j, hk, j < lk, vp + j * dp_);
       risky |= !row_is_tame(vp + j * dp_);
     }
-    ws.kv_risky = risky;
-    ws.packed_b = b;
-    ws.packed_hk = hk;
-    ws.packed_for = &p_;
+    std::fill(vp + lk_pad_ * dp_, vp + (lk_pad_ + 1) * dp_, 0.0f);  // the zero row
+    mark_packed(ws, b, hk, k0, risky);
   }
 
 #if DFSS_SIMD_BF16_DOT
   /// pack_head for the avx3_bf16 forward: K as panels of bf16 column pairs, V as bf16 rows (the
   /// same key and value rows as pack_head, the same risky flag), nothing in fp32.
-  void pack_head_bf16(workspace& ws, std::int64_t b, std::int64_t hk) const {
+  void pack_head_bf16(workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t k0, std::int64_t k1) const {
     static_assert(2 * HWY_LANES(float) == bf16dot::kPanel && kMicroRows == bf16dot::kRows,
                   "the bf16 loops keep the AVX3 panel and micro-kernel shape");
-    if (ws.packed_for == &p_ && ws.packed_b == b && ws.packed_hk == hk) return;
+    if (is_packed(ws, b, hk, k0)) return;
     const std::int64_t lk = p_.seqlen_k;
     float* rows = ws.pack.ptr;
     bool risky = false;
-    for (std::int64_t blk = 0; blk < lk_pad_ / panel_; ++blk) {
+    for (std::int64_t blk = k0 / panel_; blk < k1 / panel_; ++blk) {
       for (int t = 0; t < panel_; ++t) {
         const std::int64_t j = blk * panel_ + t;
         load_row(p_.k, p_.k_stride, b, j, hk, j < lk, rows + t * dp_);
@@ -642,15 +731,14 @@ struct kernel {
       }
       bf16dot::pack_key_panel(rows, dp_, ws.kb.ptr + blk * (dp_ / 2) * panel_);
     }
-    for (std::int64_t j = 0; j <= lk_pad_; ++j) {
+    for (std::int64_t j = k0; j < k1; ++j) {
       load_row(p_.v, p_.v_stride, b, j, hk, j < lk, rows);
       risky |= !row_is_tame(rows);
       bf16dot::pack_value_row(rows, dp_, ws.vb.ptr + j * dp_);
     }
-    ws.kv_risky = risky;
-    ws.packed_b = b;
-    ws.packed_hk = hk;
-    ws.packed_for = &p_;
+    std::fill(rows, rows + dp_, 0.0f);  // the zero row
+    bf16dot::pack_value_row(rows, dp_, ws.vb.ptr + lk_pad_ * dp_);
+    mark_packed(ws, b, hk, k0, risky);
   }
 
   /// Sizes the avx3_bf16 forward's scratch (after reserve).

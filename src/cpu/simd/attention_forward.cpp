@@ -3,7 +3,8 @@
 //
 // Work is split into tasks of kRowsPerTask query rows of one (batch, head); a worker packs the K and
 // V of the (batch, kv head) it works on once (kernel_parts-inl.h). Per task and key tile of W keys
-// (W a multiple of the panel width P = 2 vectors and of M, at least 64):
+// (W a multiple of the panel width P = 2 vectors and of M, at least forward_key_tile(d): 128 keys
+// at d = 64, 64 at d = 128):
 //   1. S = Q K^T for the task's rows with the register-blocked micro-kernel (kMicroRows x P). Q is
 //      not pre-scaled: unscaled scores of integer inputs are exact, so selections (ties included)
 //      match the reference exactly; the scale enters the exp2 argument as scale (s - max) log2(e)
@@ -45,7 +46,7 @@ class forward_pass : public kernel<T> {
   /// @p bf16_dot: run Q K^T and P V as bf16 dot products (the avx3_bf16 target, bf16 inputs only;
   /// in other instances the flag is ignored).
   forward_pass(const attention_params& p, bool bf16_dot)
-      : base(p, uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : kMinKeyTile),
+      : base(p, uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : forward_key_tile(p.head_dim)),
         dot_(uses_dot(bf16_dot)),
         dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && (!dot_ || dense_dot_fits())),
         pair_tiles_(kPairBlocks && p.pattern_n == 1 && p.pattern_m == 2 && !dot_),
@@ -464,7 +465,8 @@ class forward_pass : public kernel<T> {
 status forward_entry(const attention_params& p, simd_target t) {
   const bool dot = t == simd_target::avx3_bf16;
   // int32 offsets would overflow: the scalar twin (with the key tile the call will use).
-  const int tile = forward_pass<bfloat16>::uses_dot(dot && p.input_type == dtype::bf16) ? kMinKeyTileBf16Dot : kMinKeyTile;
+  const int tile =
+      forward_pass<bfloat16>::uses_dot(dot && p.input_type == dtype::bf16) ? kMinKeyTileBf16Dot : forward_key_tile(p.head_dim);
   if (!kernel<float>::fits_int32(p, tile)) return fused_forward_scalar(p);
   return run_pass<forward_pass>(p, "dfss cpu simd fused forward", dot);
 }

@@ -63,6 +63,20 @@ inline constexpr std::int64_t kSplitMinChunk = 1024;
 /// K (16 KiB at d = 64) fit in L1 next to the S tile; 32 and 128 measured slower for dense at d = 64
 /// with the AVX2 kernel this one replaces.
 inline constexpr int kMinKeyTile = 64;
+/// Bytes of fp32 K per key tile the fp32 forward aims for (forward_key_tile).
+inline constexpr std::int64_t kForwardKeyTileBytes = 32 * 1024;
+/// The fp32 forward's minimum key tile for head dimension @p head_dim: about kForwardKeyTileBytes
+/// of fp32 K (128 keys at d = 64, 64 at d = 128), within [kMinKeyTile, 4 kMinKeyTile]. The work
+/// each row does per tile (maximum, accumulator rescale, the exponentials' set-up and sum) is then
+/// shared by more keys while the tile's K stays within L1 next to the S tile. Measured (Zen 5, one
+/// thread, B = 1, H = 12, L = 2048): at d = 64, 64 -> 128 keys took avx3 dense 76.2 -> 73.0 ms, 1:2
+/// 73.7 -> 67.8, 2:4 78.8 -> 74.7, and avx2 141.0 -> 137.8, 119.3 -> 112.7, 124.3 -> 118.8 (256 keys:
+/// avx3 2% faster again, avx2 2-3% slower); at d = 128, 128 keys (64 KiB) made avx3 1:2 and 2:4 2%
+/// and 8% slower, 256 keys slower for every sparse row.
+inline int forward_key_tile(std::int64_t head_dim) {
+  const std::int64_t keys = kForwardKeyTileBytes / (4 * std::max<std::int64_t>(1, head_dim));
+  return static_cast<int>(std::clamp<std::int64_t>(keys, kMinKeyTile, 4 * kMinKeyTile));
+}
 /// The avx3_bf16 forward's minimum key tile: its Q K^T and P V run at about twice the fp32 rate,
 /// so the per-tile work of each row (horizontal max and sum, the rescale of the accumulator row)
 /// weighs twice as much; 128 keys halve it (K tile 16 KiB in bf16 at d = 64, as 64 fp32 keys).

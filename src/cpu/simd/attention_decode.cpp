@@ -56,7 +56,7 @@ inline constexpr std::int64_t kDecodeTargetTasks = 128;
 /// Shortest key chunk: at d = 128 in fp32, 512 keys are 512 KiB of K and V per task, so the per-task
 /// cost (loading the group's Q rows, writing and folding one partial state per row) stays below 1%.
 inline constexpr std::int64_t kDecodeMinChunk = 512;
-/// How far ahead the panel path prefetches K (and a dense pattern's V), in key tiles: one tile (64
+/// How far ahead the panel path prefetches K (and a dense pattern's V), in key tiles: one tile (128
 /// KiB of fp32 K at d = 128) hides DRAM latency; 3 tiles of 64 keys measured no faster than 1, and
 /// keep more of L1 and L2 busy.
 inline constexpr std::int64_t kPrefetchTiles = 1;
@@ -64,8 +64,10 @@ inline constexpr std::int64_t kPrefetchTiles = 1;
 /// the exponentials' set-up and sum, the software pipeline's hand-over) weighs most with grouped
 /// heads, where the step is bound by compute. Measured (Zen 5, 2 threads, d = 128, GQA 32:8, bf16
 /// cache, two interleaved runs each): 64 -> 128 keys, dense 2.9-3.3 -> 2.5-2.6 ms at Lk = 16384
-/// and 10.8-11.1 -> 9.5-9.9 ms at 65536; fp32 caches and MHA within the runs' noise.
-inline constexpr int kDecodeKeyTile = 128;
+/// and 10.8-11.1 -> 9.5-9.9 ms at 65536; 128 -> 256 keys, 2.5-2.6 -> 2.2-2.3 and 9.5-9.9 -> 8.8-9.1
+/// ms; fp32 caches and MHA within the runs' noise both times. Scratch grows with it (the S tile of
+/// group * Lq rows, the kept slots), still a few hundred KiB at most per thread.
+inline constexpr int kDecodeKeyTile = 256;
 /// Bytes per prefetch: the cache line of every x86-64 and AArch64 core dfss targets.
 inline constexpr std::int64_t kCacheLine = 64;
 

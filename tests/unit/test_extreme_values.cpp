@@ -1,6 +1,7 @@
 // Non-finite and extreme inputs (docs/semantics.md, "Non-finite and extreme inputs"
 // and forward step 2) against every CPU kernel: the fused generic, portable and AVX2 forwards,
-// the three-stage pipeline and the three backwards, with f32, f16 and bf16 inputs; the fp64
+// the three-stage pipeline and the three backwards, with f32, f16 and bf16 inputs (the fused
+// forwards also on the cases' keys repeated to 2100, where the SIMD forwards split them); the fp64
 // reference itself is checked against the independent naive implementation of testing.hpp.
 //
 // Cases: +inf scores from the bias and from q or k (a NaN or +inf among a row's visible scores
@@ -362,7 +363,7 @@ std::vector<kernel> fused_kernels(bool forward) {
 }
 const std::vector<kernel> kForward = fused_kernels(true);
 const std::vector<kernel> kBackward = fused_kernels(false);
-const std::vector<kernel> kFused = fused_kernels(false);  // the decode slices: fused kernels only
+const std::vector<kernel> kFused = fused_kernels(false);  // the decode slices and the split forward: fused kernels only
 
 /// Patterns: the in-register 1:2 and 2:4 paths of the AVX2 kernel, the generic N:M path, dense.
 const pattern kPatterns[] = {{1, 2}, {2, 4}, {3, 8}, {4, 4}};
@@ -385,6 +386,14 @@ class ExtremeForward : public ::testing::TestWithParam<param> {
 };
 
 class ExtremeDecode : public ::testing::TestWithParam<param> {
+ protected:
+  void SetUp() override {
+    const std::string why = cpu_isa_skip_reason(kFused[static_cast<std::size_t>(std::get<0>(GetParam()))].isa);
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+class ExtremeSplit : public ::testing::TestWithParam<param> {
  protected:
   void SetUp() override {
     const std::string why = cpu_isa_skip_reason(kFused[static_cast<std::size_t>(std::get<0>(GetParam()))].isa);
@@ -486,6 +495,62 @@ TEST_P(ExtremeDecode, SlicesMatchReference) {
   EXPECT_GT(ran, 0);
 }
 
+/// @p pr with its keys repeated @p times along the key axis (K, V and bias columns; key j' is key
+/// j' mod Lk): a sequence of full key length repeats every special key; a shorter one keeps its
+/// length, so what lay past it stays masked. Causal rows stay bottom-right aligned, so the last copy
+/// is masked as the original keys were and the earlier copies are visible.
+problem repeat_keys(const problem& pr, std::int64_t times) {
+  problem out = pr;
+  out.Lk = pr.Lk * times;
+  const auto columns = [&](const std::vector<double>& x, std::int64_t outer, std::int64_t inner) {
+    std::vector<double> y;
+    y.reserve(x.size() * static_cast<std::size_t>(times));
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t j = 0; j < out.Lk; ++j) {
+        const auto at = x.begin() + static_cast<std::ptrdiff_t>((o * pr.Lk + j % pr.Lk) * inner);
+        y.insert(y.end(), at, at + static_cast<std::ptrdiff_t>(inner));
+      }
+    return y;
+  };
+  out.k = columns(pr.k, pr.B, pr.Hkv * pr.d);
+  out.v = columns(pr.v, pr.B, pr.Hkv * pr.d);
+  if (pr.has_bias) out.bias = columns(pr.bias, (pr.bias_b ? pr.B : 1) * (pr.bias_h ? pr.H : 1) * pr.Lq, 1);
+  for (std::int64_t& len : out.key_lengths) len = len == pr.Lk ? out.Lk : len;
+  return out;
+}
+
+/// Every case with its 150 keys repeated 14 times (2100 keys): with 8 row tasks the SIMD fused
+/// forwards split the keys into chunks (split_chunk_keys) that each hold the case's special keys,
+/// so the fold of the chunks meets NaN and +inf rows, huge maxima whose scale * max overflows, and
+/// empty chunks of a short sequence; against the reference of the long problem.
+TEST_P(ExtremeSplit, RepeatedKeysMatchReference) {
+  const kernel& kn = kFused[static_cast<std::size_t>(std::get<0>(GetParam()))];
+  extreme_case c = make_case(std::get<1>(GetParam()));
+  c.pr = repeat_keys(c.pr, 14);
+  int ran = 0;
+  for (pattern pat : kPatterns) {
+    c.pr.pat = pat;
+    for (dtype t : kTypes) {
+      problem pr;
+      if (!rounded_to(c.pr, t, pr)) continue;
+      const auto want = run_forward(pr);
+      for (double poison : {kNaN, kFinitePoison}) {
+        run_options opt;
+        opt.type = t;
+        opt.out_type = dtype::f32;
+        opt.backend = backend::cpu;
+        opt.isa = kn.isa;
+        opt.poison = poison;
+        const auto got = run_forward(pr, opt);
+        expect_forward_matches(c, pr, got, want, forward_rounds_p_to_bf16(kn.isa, t),
+                               pr.describe() + " " + dtype_name(t) + " poison " + std::to_string(poison));
+        ++ran;
+      }
+    }
+  }
+  EXPECT_GT(ran, 0);
+}
+
 TEST_P(ExtremeBackward, MatchesReference) {
   const kernel& kn = kBackward[static_cast<std::size_t>(std::get<0>(GetParam()))];
   extreme_case c = make_case(std::get<1>(GetParam()));
@@ -516,6 +581,9 @@ INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeForward,
                          ::testing::Combine(::testing::Range(0, static_cast<int>(kForward.size())), ::testing::Range(0, kCases)),
                          param_name<&kForward>);
 INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeDecode,
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(kFused.size())), ::testing::Range(0, kCases)),
+                         param_name<&kFused>);
+INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeSplit,
                          ::testing::Combine(::testing::Range(0, static_cast<int>(kFused.size())), ::testing::Range(0, kCases)),
                          param_name<&kFused>);
 INSTANTIATE_TEST_SUITE_P(Cpu, ExtremeBackward,

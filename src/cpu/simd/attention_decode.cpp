@@ -43,8 +43,6 @@
 
 #include "cpu/simd/kernel_parts-inl.h"
 
-#include <atomic>
-#include <memory>
 
 #ifndef DFSS_CPU_SIMD_DECODE_ONCE_
 #define DFSS_CPU_SIMD_DECODE_ONCE_
@@ -132,25 +130,17 @@ class decode_pass : public kernel<T> {
   void run() const {
     const std::int64_t pairs = p_.batch * p_.heads_kv;
     const std::int64_t tasks = pairs * chunks_;
-    const auto states = static_cast<std::size_t>(tasks * rows_);
-    std::vector<float> part_acc(states * static_cast<std::size_t>(dp_)), part_max(states), part_sum(states);
-    std::vector<unsigned char> part_nan(states);
-    partial_states parts{part_acc.data(), part_max.data(), part_sum.data(), part_nan.data()};
     // Tasks cost the same but for masks (key lengths, causal rows): one at a time. The task that
-    // finishes the last chunk of a (batch, kv head) folds it, in chunk order whichever thread that
-    // is, so there is one parallel region (a second one for the fold cost a whole time slice per
-    // call whenever the cores were shared) and the fold overlaps the other pairs' chunks.
-    const std::unique_ptr<std::atomic<std::int64_t>[]> finished(new std::atomic<std::int64_t>[static_cast<std::size_t>(pairs)]);
-    for (std::int64_t pair = 0; pair < pairs; ++pair) finished[static_cast<std::size_t>(pair)].store(0, std::memory_order_relaxed);
+    // finishes the last chunk of a (batch, kv head) folds it (chunked_states; a second parallel
+    // region for the folds cost a whole time slice per call whenever the cores were shared).
+    chunked_states chunked(pairs, chunks_, tasks * rows_, dp_);
+    const partial_states parts = chunked.view();
     parallel_for(
         tasks, p_.num_threads, schedule::dynamic, [&] { reserve(worker_scratch<decode_workspace>()); },
         [&](std::int64_t t) {
           task(worker_scratch<decode_workspace>(), t, parts);
           const std::int64_t pair = t / chunks_;
-          // acq_rel: the folding task sees the partial states every other chunk of the pair wrote.
-          if (finished[static_cast<std::size_t>(pair)].fetch_add(1, std::memory_order_acq_rel) + 1 == chunks_) {
-            fold(pair, parts);
-          }
+          if (chunked.finish(pair)) fold(pair, parts);
         });
   }
 

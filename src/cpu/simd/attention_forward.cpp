@@ -30,8 +30,6 @@
 
 #include "cpu/simd/kernel_parts-inl.h"
 
-#include <atomic>
-#include <memory>
 #include <vector>
 
 HWY_BEFORE_NAMESPACE();
@@ -46,7 +44,7 @@ class forward_pass : public kernel<T> {
   /// @p bf16_dot: run Q K^T and P V as bf16 dot products (the avx3_bf16 target, bf16 inputs only;
   /// in other instances the flag is ignored).
   forward_pass(const attention_params& p, bool bf16_dot)
-      : base(p, uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : forward_key_tile(p.head_dim)),
+      : base(p, min_tile(p, bf16_dot)),
         dot_(uses_dot(bf16_dot)),
         dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && (!dot_ || dense_dot_fits())),
         pair_tiles_(kPairBlocks && p.pattern_n == 1 && p.pattern_m == 2 && !dot_),
@@ -55,6 +53,11 @@ class forward_pass : public kernel<T> {
         chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)) {}
 
   static constexpr bool uses_dot(bool bf16_dot) { return DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16>; }
+
+  /// The minimum key tile of a call with inputs of type T (@p bf16_dot: see the constructor).
+  static int min_tile(const attention_params& p, bool bf16_dot) {
+    return uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : forward_key_tile(p.head_dim);
+  }
 
   /// With the bf16 dot products, dense tiles run blocked when a tile's key pairs fit
   /// bf16dot::pv_tile_rows.
@@ -69,17 +72,11 @@ class forward_pass : public kernel<T> {
   void run() const {
     const std::int64_t row_tasks = p_.batch * p_.heads * q_tiles_;
     const std::int64_t tasks = row_tasks * chunks_;
-    // Split keys: the partial state of every (row task, chunk, row), and per row task the count of
-    // its chunks done; the task that finishes a row task's last chunk folds them in chunk order.
-    const auto states = static_cast<std::size_t>(chunks_ > 1 ? tasks * kRowsPerTask : 0);
-    std::vector<float> part_acc(states * static_cast<std::size_t>(dp_)), part_max(states), part_sum(states);
-    std::vector<unsigned char> part_nan(states);
-    const partial_states parts{part_acc.data(), part_max.data(), part_sum.data(), part_nan.data()};
-    std::unique_ptr<std::atomic<std::int64_t>[]> finished;
-    if (chunks_ > 1) {
-      finished.reset(new std::atomic<std::int64_t>[static_cast<std::size_t>(row_tasks)]);
-      for (std::int64_t r = 0; r < row_tasks; ++r) finished[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
-    }
+    // Split keys: the partial state of every (row task, chunk, row); the task that finishes a row
+    // task's last chunk folds them in chunk order (chunked_states).
+    const bool split = chunks_ > 1;
+    chunked_states chunked(split ? row_tasks : 0, chunks_, split ? tasks * kRowsPerTask : 0, dp_);
+    const partial_states parts = chunked.view();
     // Causal tasks differ in cost: hand them out one at a time. Otherwise contiguous chunks let
     // each worker pack each (batch, kv head) (or key chunk of it) once.
     parallel_for(
@@ -96,11 +93,7 @@ class forward_pass : public kernel<T> {
         },
         [&](std::int64_t t) {
           const std::int64_t row_task = task(worker_scratch<workspace>(), t, parts);
-          // acq_rel: the folding task sees the partial states every other chunk of the row task wrote.
-          if (chunks_ > 1 &&
-              finished[static_cast<std::size_t>(row_task)].fetch_add(1, std::memory_order_acq_rel) + 1 == chunks_) {
-            fold(row_task, parts);
-          }
+          if (split && chunked.finish(row_task)) fold(row_task, parts);
         });
   }
 
@@ -167,16 +160,18 @@ class forward_pass : public kernel<T> {
       tile_end = std::max(tile_end, this->key_limit(b, i0 + i));
     }
     tile_end = std::min(tile_end, k1);
-    if (k0 < tile_end) pack(ws, b, hk, k0, k1);
-
-    float* q = ws.q.ptr;
-    ws.risky = ws.kv_risky || p_.bias != nullptr;
-    for (int i = 0; i < rows_mk; ++i) {
-      this->load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
-      ws.risky = ws.risky || !this->row_is_tame(q + i * dp_);
-      if (dot_) pack_query_row(ws, q, i);
-    }
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
+    // A chunk past every row's last visible key (causal, key lengths) leaves empty states.
+    if (k0 < tile_end) {
+      pack(ws, b, hk, k0, k1);
+      float* q = ws.q.ptr;
+      ws.risky = ws.kv_risky || p_.bias != nullptr;
+      for (int i = 0; i < rows_mk; ++i) {
+        this->load_row(p_.q, p_.q_stride, b, i0 + i, h, i < rows, q + i * dp_);
+        ws.risky = ws.risky || !this->row_is_tame(q + i * dp_);
+        if (dot_) pack_query_row(ws, q, i);
+      }
+    }
     for (std::int64_t j0 = k0; j0 < tile_end; j0 += w_) {
       scores(ws, rows_mk, j0);
       // Rows whose P V for this tile is left to blocked_values.
@@ -465,8 +460,7 @@ class forward_pass : public kernel<T> {
 status forward_entry(const attention_params& p, simd_target t) {
   const bool dot = t == simd_target::avx3_bf16;
   // int32 offsets would overflow: the scalar twin (with the key tile the call will use).
-  const int tile =
-      forward_pass<bfloat16>::uses_dot(dot && p.input_type == dtype::bf16) ? kMinKeyTileBf16Dot : forward_key_tile(p.head_dim);
+  const int tile = forward_pass<bfloat16>::min_tile(p, dot && p.input_type == dtype::bf16);
   if (!kernel<float>::fits_int32(p, tile)) return fused_forward_scalar(p);
   return run_pass<forward_pass>(p, "dfss cpu simd fused forward", dot);
 }

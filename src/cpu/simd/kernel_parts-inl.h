@@ -20,14 +20,17 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <new>
 #include <numeric>
 #include <type_traits>
+#include <vector>
 
 #include "core/element_access.hpp"
 #include "cpu/fused_common.hpp"
@@ -146,6 +149,38 @@ struct partial_states {
   float* max;
   float* sum;
   unsigned char* nan;
+};
+
+/// The partial states of a call's split tasks, and per group of chunks (a decode (batch, kv head),
+/// a forward row task) how many of its chunks are done: the task that completes a group's last
+/// chunk folds it, whichever thread that is, so a call stays one parallel region and the folds
+/// overlap the other groups' chunks.
+class chunked_states {
+ public:
+  /// @p groups groups of @p chunks chunks each; @p states states of @p dp floats (may throw).
+  chunked_states(std::int64_t groups, std::int64_t chunks, std::int64_t states, int dp)
+      : chunks_(chunks),
+        acc_(static_cast<std::size_t>(states) * static_cast<std::size_t>(dp)),
+        max_(static_cast<std::size_t>(states)),
+        sum_(static_cast<std::size_t>(states)),
+        nan_(static_cast<std::size_t>(states)),
+        done_(new std::atomic<std::int64_t>[static_cast<std::size_t>(groups)]) {
+    for (std::int64_t g = 0; g < groups; ++g) done_[static_cast<std::size_t>(g)].store(0, std::memory_order_relaxed);
+  }
+
+  partial_states view() { return {acc_.data(), max_.data(), sum_.data(), nan_.data()}; }
+
+  /// Marks one chunk of @p group done; true for the call that completes the group. acq_rel: that
+  /// call sees every state the group's other chunks wrote.
+  bool finish(std::int64_t group) {
+    return done_[static_cast<std::size_t>(group)].fetch_add(1, std::memory_order_acq_rel) + 1 == chunks_;
+  }
+
+ private:
+  std::int64_t chunks_;
+  std::vector<float> acc_, max_, sum_;
+  std::vector<unsigned char> nan_;
+  std::unique_ptr<std::atomic<std::int64_t>[]> done_;
 };
 
 /// The entry point of a kernel file in the static baseline target Highway always compiles (see

@@ -409,9 +409,9 @@ class ExtremeBackward : public ::testing::TestWithParam<param> {
   }
 };
 
-TEST_P(ExtremeForward, MatchesReference) {
-  const kernel& kn = kForward[static_cast<std::size_t>(std::get<0>(GetParam()))];
-  extreme_case c = make_case(std::get<1>(GetParam()));
+/// Case @p c on kernel @p kn for every pattern and storage type, each call twice (NaN and finite
+/// poison), against the reference of the inputs rounded to that type.
+void expect_case_matches(const kernel& kn, extreme_case c) {
   int ran = 0;
   for (pattern pat : kPatterns) {
     c.pr.pat = pat;
@@ -436,6 +436,10 @@ TEST_P(ExtremeForward, MatchesReference) {
     }
   }
   EXPECT_GT(ran, 0);
+}
+
+TEST_P(ExtremeForward, MatchesReference) {
+  expect_case_matches(kForward[static_cast<std::size_t>(std::get<0>(GetParam()))], make_case(std::get<1>(GetParam())));
 }
 
 /// Rows [i0, i0 + n) of @p pr as a problem of their own (Q, dO and bias rows; K, V, masks as they
@@ -524,31 +528,9 @@ problem repeat_keys(const problem& pr, std::int64_t times) {
 /// so the fold of the chunks meets NaN and +inf rows, huge maxima whose scale * max overflows, and
 /// empty chunks of a short sequence; against the reference of the long problem.
 TEST_P(ExtremeSplit, RepeatedKeysMatchReference) {
-  const kernel& kn = kFused[static_cast<std::size_t>(std::get<0>(GetParam()))];
   extreme_case c = make_case(std::get<1>(GetParam()));
   c.pr = repeat_keys(c.pr, 14);
-  int ran = 0;
-  for (pattern pat : kPatterns) {
-    c.pr.pat = pat;
-    for (dtype t : kTypes) {
-      problem pr;
-      if (!rounded_to(c.pr, t, pr)) continue;
-      const auto want = run_forward(pr);
-      for (double poison : {kNaN, kFinitePoison}) {
-        run_options opt;
-        opt.type = t;
-        opt.out_type = dtype::f32;
-        opt.backend = backend::cpu;
-        opt.isa = kn.isa;
-        opt.poison = poison;
-        const auto got = run_forward(pr, opt);
-        expect_forward_matches(c, pr, got, want, forward_rounds_p_to_bf16(kn.isa, t),
-                               pr.describe() + " " + dtype_name(t) + " poison " + std::to_string(poison));
-        ++ran;
-      }
-    }
-  }
-  EXPECT_GT(ran, 0);
+  expect_case_matches(kFused[static_cast<std::size_t>(std::get<0>(GetParam()))], c);
 }
 
 TEST_P(ExtremeBackward, MatchesReference) {

@@ -95,12 +95,25 @@ def test_patch_hugging_face_bert():
         got = model(input_ids=ids, attention_mask=mask).last_hidden_state
     # Padded keys get -inf (or finfo.min) in both; the unpadded output positions must agree.
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    # The gradient flows through BERT's last LayerNorm, whose weight starts at ones: the gradient of
+    # out.sum() is zero up to rounding there (exactly zero for some seeds), so weight the output.
+    weight = torch.randn_like(want)
+    model.zero_grad(set_to_none=True)
+    (model(input_ids=ids, attention_mask=mask).last_hidden_state * weight).sum().backward()
+    grad_want = model.encoder.layer[0].attention.self.query.weight.grad
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning), dfss.patch_attention(model, pattern="dense"):
+        (model(input_ids=ids, attention_mask=mask).last_hidden_state * weight).sum().backward()
+    grad = model.encoder.layer[0].attention.self.query.weight.grad
+    assert grad_want.abs().max() > 1e-6
+    torch.testing.assert_close(grad, grad_want, rtol=1e-9, atol=1e-12)
+    model.zero_grad(set_to_none=True)
     with pytest.warns(UserWarning), dfss.patch_attention(model, pattern="2:4"):
         model.train()
         out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        out.sum().backward()
+        (out * weight).sum().backward()
         model.eval()
     grad = model.encoder.layer[0].attention.self.query.weight.grad
-    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 1e-6
     torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).last_hidden_state, want,
                                rtol=0, atol=0)

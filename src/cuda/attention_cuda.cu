@@ -1,4 +1,4 @@
-// The CUDA backend's forward: argument checks and the three-kernel pipeline (see pipeline.cuh).
+// The CUDA backend's forward: argument checks and the two-kernel pipeline (see pipeline.cuh).
 #include "cuda/attention_cuda.hpp"
 
 #include <cuda_bf16.h>
@@ -7,10 +7,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <utility>
 
 #include "cuda/pipeline.cuh"
+#include "cuda/warp/softmax_fold.hpp"
 
 namespace dfss::cuda {
 namespace {
@@ -19,6 +21,9 @@ using i64 = std::int64_t;
 
 // CUDA's limit on gridDim.y and gridDim.z: batch * heads is a grid dimension of every kernel.
 constexpr i64 kMaxGridYZ = 65535;
+// The kernels index keys in 32 bits (their masks compare int offsets): Lk < 2^31, less the 64-key
+// padding of the intermediates. (At that length one row block's weights alone would be 256 GB.)
+constexpr i64 kMaxKeys = 2147483647 - 64;
 
 std::string pointer_reason(const char* name, const void* ptr) {
   if (ptr == nullptr) return "";
@@ -71,9 +76,6 @@ cudaError_t launch_all(const pipeline_args& a, const attention_params& p, cudaSt
                     : launch_sddmm_select<T, 128, warp::sp_pattern::p1of2>(a, s);
   }
   if (e != cudaSuccess) return e;
-  step = "compressed softmax kernel";
-  e = launch_softmax_compressed<T>(a, s);
-  if (e != cudaSuccess) return e;
   step = "SpMM (mma.sp) kernel";
   return p.head_dim == 64 ? launch_spmm<T, 64>(a, s) : launch_spmm<T, 128>(a, s);
 }
@@ -100,6 +102,10 @@ std::string forward_unsupported_reason(const attention_params& p) {
   if (p.bias != nullptr) return "the CUDA backend does not take an additive bias yet";
   if (p.compressed_values != nullptr || p.compressed_meta != nullptr) {
     return "the CUDA backend does not write the compressed outputs";
+  }
+  if (p.seqlen_k > kMaxKeys) {
+    return "the CUDA backend needs seqlen_k <= " + std::to_string(kMaxKeys) + " (32-bit key indices), got " +
+           std::to_string(p.seqlen_k);
   }
   if (p.batch * p.heads > kMaxGridYZ) {
     return "the CUDA backend needs batch * heads <= 65535 (a CUDA grid dimension), got " +
@@ -156,23 +162,42 @@ status attention_forward(const attention_params& p, void* stream_ptr) {
   // Lk = 0 still runs one (fully masked) key tile, so every row gets zeros and LSE -inf.
   a.layout = warp::intermediate_layout::make(p.seqlen_q, p.seqlen_k > 0 ? p.seqlen_k : 1);
   const i64 slices = p.batch * p.heads;
-  const std::size_t value_bytes = static_cast<std::size_t>(slices * a.layout.value_elems()) * 2;
-  const std::size_t meta_bytes = static_cast<std::size_t>(slices * a.layout.meta_words()) * 4;
-  cudaError_t e = cudaMallocAsync(&a.values, value_bytes, stream);
-  if (e != cudaSuccess) return cuda_failure("cudaMallocAsync of the compressed values", e);
-  e = cudaMallocAsync(reinterpret_cast<void**>(&a.meta), meta_bytes, stream);
-  if (e != cudaSuccess) {
-    cudaFreeAsync(a.values, stream);
-    return cuda_failure("cudaMallocAsync of the metadata", e);
-  }
+  // The intermediates, stream-ordered: compressed weights, metadata, tile and row maxima.
+  struct buffer {
+    void** ptr;
+    std::size_t bytes;
+    const char* what;
+  };
+  const buffer buffers[] = {
+      {&a.values, static_cast<std::size_t>(slices * a.layout.value_elems()) * 2, "the compressed weights"},
+      {reinterpret_cast<void**>(&a.meta), static_cast<std::size_t>(slices * a.layout.meta_words()) * 4, "the metadata"},
+      {reinterpret_cast<void**>(&a.tile_max), static_cast<std::size_t>(slices * warp::fold_tile_max_elems(a.layout)) * 4,
+       "the tile maxima"},
+      {reinterpret_cast<void**>(&a.row_max), static_cast<std::size_t>(slices * a.layout.rows_padded) * 4, "the row maxima"},
+  };
+  std::size_t allocated = 0;
+  cudaError_t e = cudaSuccess;
   const char* step = "";
-  e = p.input_type == dtype::bf16 ? launch_all<__nv_bfloat16>(a, p, stream, step)
-                                  : launch_all<__half>(a, p, stream, step);
-  const cudaError_t f1 = cudaFreeAsync(a.meta, stream);
-  const cudaError_t f2 = cudaFreeAsync(a.values, stream);
+  for (const buffer& x : buffers) {
+    e = cudaMallocAsync(x.ptr, x.bytes, stream);
+    if (e != cudaSuccess) {
+      step = x.what;
+      break;
+    }
+    ++allocated;
+  }
+  if (e == cudaSuccess) {
+    e = p.input_type == dtype::bf16 ? launch_all<__nv_bfloat16>(a, p, stream, step)
+                                    : launch_all<__half>(a, p, stream, step);
+  }
+  cudaError_t freed = cudaSuccess;
+  for (std::size_t i = allocated; i-- > 0;) {
+    const cudaError_t f = cudaFreeAsync(*buffers[i].ptr, stream);
+    if (freed == cudaSuccess) freed = f;
+  }
+  if (allocated < std::size(buffers)) return cuda_failure((std::string("cudaMallocAsync of ") + step).c_str(), e);
   if (e != cudaSuccess) return cuda_failure(step, e);
-  if (f1 != cudaSuccess) return cuda_failure("cudaFreeAsync of the metadata", f1);
-  if (f2 != cudaSuccess) return cuda_failure("cudaFreeAsync of the compressed values", f2);
+  if (freed != cudaSuccess) return cuda_failure("cudaFreeAsync of the intermediates", freed);
   return status::success();
 }
 

@@ -15,10 +15,13 @@ namespace dfss::cuda {
 /// (or managed) memory, checked with cudaPointerGetAttributes. Reads no tensor data.
 std::string forward_unsupported_reason(const attention_params& p);
 
-/// @brief Stable name of the kernels that run @p p, e.g. "cuda.three_stage_forward.bf16.d64.2of4".
+/// @brief Stable name of the kernels that run @p p, e.g. "cuda.three_stage_forward.bf16.d64.2of4"
+/// (the name predates the folded softmax, which made the three stages two kernels; kept, since
+/// callers match on it).
 std::string forward_kernel_name(const attention_params& p);
 
-/// @brief Enqueues the three-kernel forward (SDDMM + selection, compressed softmax, SpMM) on
+/// @brief Enqueues the two-kernel forward (SDDMM + selection + first half of the softmax, SpMM +
+/// second half; src/cuda/warp/softmax_fold.hpp) on
 /// @p stream (a cudaStream_t; null is the legacy default stream). Intermediates are allocated and
 /// freed stream-ordered (cudaMallocAsync / cudaFreeAsync), so the call never synchronises with the
 /// host and can be captured in a CUDA graph. Every launch is checked; errors come back as

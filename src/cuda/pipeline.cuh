@@ -1,5 +1,6 @@
-// src/cuda/pipeline.cuh: the arguments and launchers of the three-kernel DFSS pipeline (nvcc
-// only): SDDMM with fused N:M selection -> softmax over compressed rows -> SpMM with mma.sp.
+// src/cuda/pipeline.cuh: the arguments and launchers of the two-kernel DFSS pipeline (nvcc only):
+// SDDMM with fused N:M selection and the first half of the softmax -> SpMM with mma.sp and the
+// second half (src/cuda/warp/softmax_fold.hpp).
 // Compile-time axes: element type T (__half, __nv_bfloat16), head dim D (64, 128) and, for the
 // SDDMM, the pattern (1:2, 2:4). Everything else (sizes, strides, masks, scale) is a run-time value.
 #pragma once
@@ -32,9 +33,12 @@ struct pipeline_args {
   bool causal;
   /// softmax scale * log2(e): the SDDMM stores scores in this base-2 domain so the softmax uses exp2.
   float scale_log2;
-  /// Intermediates: compressed values (T) and metadata, one slice per (batch, head).
+  /// Intermediates, one slice per (batch, head) (layouts in softmax_fold.hpp): the kept weights
+  /// (T), their metadata, each row's maximum per 32-key unit and over all units.
   void* values;
   std::uint32_t* meta;
+  float* tile_max;
+  float* row_max;
   warp::intermediate_layout layout;
 };
 
@@ -50,8 +54,6 @@ __device__ __forceinline__ std::int64_t kv_length(const pipeline_args& a, std::i
 /// Launchers: enqueue on @p stream, return the launch error (cudaGetLastError), never synchronise.
 template <typename T, int D, warp::sp_pattern P>
 cudaError_t launch_sddmm_select(const pipeline_args& a, cudaStream_t stream);
-template <typename T>
-cudaError_t launch_softmax_compressed(const pipeline_args& a, cudaStream_t stream);
 template <typename T, int D>
 cudaError_t launch_spmm(const pipeline_args& a, cudaStream_t stream);
 

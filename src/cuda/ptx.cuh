@@ -15,6 +15,7 @@ template <typename T>
 struct elem;
 template <>
 struct elem<__half> {
+  using pair = __half2;
   __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const std::uint32_t*>(&h);
@@ -23,9 +24,14 @@ struct elem<__half> {
     return __half22float2(*reinterpret_cast<const __half2*>(&v));
   }
   __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
+  __device__ __forceinline__ static std::uint32_t pack_same(float x) {
+    const __half2 h = __float2half2_rn(x);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
 };
 template <>
 struct elem<__nv_bfloat16> {
+  using pair = __nv_bfloat162;
   __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const std::uint32_t*>(&h);
@@ -34,6 +40,10 @@ struct elem<__nv_bfloat16> {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
   }
   __device__ __forceinline__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  __device__ __forceinline__ static std::uint32_t pack_same(float x) {
+    const __nv_bfloat162 h = __float2bfloat162_rn(x);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
 };
 
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
@@ -47,6 +57,12 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(src_bytes)
                : "memory");
+}
+/// cp_async_16 on a shared-memory address and a global address held as integers (a zero-filled
+/// chunk may name an address past the tensor: it is never read).
+__device__ __forceinline__ void cp_async_16(std::uint32_t dst, std::uint64_t src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int Pending>

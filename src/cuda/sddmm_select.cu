@@ -1,142 +1,235 @@
-// SDDMM with fused N:M selection: S = Q K^T on the tensor cores (dense mma.sync m16n8k16, f32
-// accumulators), masks folded into the accumulators, N:M selection in registers on the f32 scores
-// (src/cuda/warp/, simulated on the CPU by tests/unit/test_cuda_warp.cpp), and the kept scores
-// (times scale * log2 e, rounded to T) and the mma.sp metadata written straight in the layout the
-// SpMM's ldmatrix / mma.sp consume (warp::intermediate_layout).
+// SDDMM with fused N:M selection and the first half of the softmax (src/cuda/warp/softmax_fold.hpp):
+// S = Q K^T on the tensor cores (dense mma.sync m16n8k16, f32 accumulators), masks on the
+// accumulators, N:M selection in registers, and per 32 x 32 unit the kept weights exp2((s - m_t) *
+// scale log2 e) stored as T in the SpMM's fragment order, the metadata, and each row's unit
+// maximum m_t; each row's maximum M over its units at the end.
 //
-// CTA tile: 64 query rows x 64 keys, 4 warps, each one unit of 32 rows x 32 keys. Q and K tiles
-// are loaded whole (all of D) with cp.async, zero-filled past Lq / Lk. The K rows are read through
-// sddmm16_key_of_column, so each lane's accumulators are whole 4-key groups.
+// CTA: 128 query rows, 4 warps of 32 rows each. A warp's Q fragments stay in registers for the
+// whole key loop (loaded once from global memory), so a key step costs only the K fragments, the
+// MMAs and the epilogue. Keys advance 64 at a time (two units per warp) through a 2-stage cp.async
+// pipeline shared by the 4 warps; K rows are stored in accumulator-column order
+// (sddmm16_smem_row_of_key). The loop stops at the last key any row of the CTA sees (causal limit,
+// key length: tile skipping), and runs in two parts: the steps that every row of the CTA sees whole
+// (no mask code at all) and the boundary steps (each row's visible end, one 32-bit compare per score).
 #include "cuda/pipeline.cuh"
 #include "cuda/ptx.cuh"
 #include "cuda/warp/device_warp.cuh"
 #include "cuda/warp/ldmatrix_addr.hpp"
 #include "cuda/warp/sddmm_epilogue.hpp"
+#include "cuda/warp/softmax_fold.hpp"
+#include "dfss/mask/visibility.hpp"
 
 namespace dfss::cuda {
 namespace {
 
 using i64 = std::int64_t;
 
-// 4 warps: two row units x two key units of 32, so the 64 x 64 tile's Q and K rows are each read by
-// two warps from shared memory while the CTA stays small enough for several to share an SM.
+// 4 warps of 32 rows: each K step is read from shared memory by 4 warps, and the CTA's 128 rows match
+// the intermediate layout's row padding (kIntermediateRowAlign), so no row of a CTA is out of range
+// of the intermediates.
 constexpr int kThreads = 128;
-// The tile: a multiple of the 32 x 32 unit in both directions, and a divisor of the intermediate
-// layout's row (128) and key (64) padding, so no tile needs bounds checks on the intermediates.
-constexpr int kTileRows = 64;
-constexpr int kTileKeys = 64;
+constexpr int kTileRows = 128;
+// Keys per pipeline step: two 32-key units per warp, and the intermediate layout's key padding (64),
+// so a step never reaches past a slice.
+constexpr int kStepKeys = 64;
+// Two stages: the copy of step s + 1 overlaps the MMAs of step s, within 48 KB of static shared
+// memory for D = 128 (2 x 64 x 136 x 2 bytes = 34 KB).
+constexpr int kStages = 2;
 // Shared-memory row padding of 8 elements (16 bytes): rows of D = 64 or 128 halves would otherwise
 // start in the same bank and serialise every ldmatrix 8 ways.
 constexpr int kPad = 8;
 
+// Everything a warp keeps across the key loop.
+struct warp_rows {
+  std::uint32_t qf[2][8][4];  // Q fragments: m16 tile i, k step kk / 16 (D <= 128), registers
+  int end[2][2];              // visible end of row 16 i + 8 rh + g (keys < 2^31: attention_cuda.cu)
+  float run_max[2][2];        // M so far
+};
+
+template <typename T, int D, warp::sp_pattern P, bool Masked>
+__device__ __forceinline__ void sddmm_unit(const pipeline_args& a, const T (*ks)[D + kPad], int lane,
+                                           warp_rows& w, i64 ukey0, T* values, std::uint32_t* meta,
+                                           float* tile_max) {
+  float acc[2][4][4] = {};
+  DFSS_UNROLL
+  for (int kk = 0; kk < D; kk += 16) {
+    DFSS_UNROLL
+    for (int jp = 0; jp < 2; ++jp) {
+      const warp::smem_coord at = warp::ldsm_sddmm16_b_x4(lane, jp);
+      std::uint32_t bf[4];
+      ptx::ldmatrix_x4(bf, &ks[at.row][kk + at.col]);
+      DFSS_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        ptx::mma_m16n8k16<T>(acc[i][2 * jp], w.qf[i][kk / 16], bf[0], bf[1]);
+        ptx::mma_m16n8k16<T>(acc[i][2 * jp + 1], w.qf[i][kk / 16], bf[2], bf[3]);
+      }
+    }
+  }
+  if constexpr (Masked) {
+    int end[2][2];
+    DFSS_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      DFSS_UNROLL
+      for (int rh = 0; rh < 2; ++rh) end[i][rh] = warp::unit_relative_end(w.end[i][rh], static_cast<int>(ukey0));
+    }
+    warp::mask_unit16_relative(acc, lane, end);
+  }
+  // Row maxima over the quad (NaN-propagating), then the references the weights are taken against.
+  float m[2][2];
+  warp::unit16_lane_row_max(acc, m);
+  float ref[2][2];
+  DFSS_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    DFSS_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      m[i][rh] = warp::max_nan(m[i][rh], __shfl_xor_sync(0xffffffffu, m[i][rh], 1));
+      m[i][rh] = warp::max_nan(m[i][rh], __shfl_xor_sync(0xffffffffu, m[i][rh], 2));
+      w.run_max[i][rh] = warp::max_nan(w.run_max[i][rh], m[i][rh]);
+      ref[i][rh] = warp::fold_reference(m[i][rh]);
+    }
+  }
+  const warp::unit16_selection<float> sel = warp::select_unit16_no_nan(acc, lane, P);
+  // Element e = 4 h + 2 rh + slot of the fragment is row half rh: registers 0, 2 row g, 1, 3 row g + 8.
+  DFSS_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    std::uint32_t r[4];
+    DFSS_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const float x = ref[i][q & 1];
+      r[q] = ptx::elem<T>::pack(warp::fold_weight(sel.a[i][2 * q], x, a.scale_log2),
+                                warp::fold_weight(sel.a[i][2 * q + 1], x, a.scale_log2));
+    }
+    *reinterpret_cast<uint4*>(values + i * 32 * 8) = make_uint4(r[0], r[1], r[2], r[3]);
+  }
+  *meta = warp::meta_quad_exchange<warp::device_warp>(sel.meta_bits[0][0], sel.meta_bits[0][1],
+                                                      sel.meta_bits[1][0], sel.meta_bits[1][1]);
+  const int t = lane & 3;
+  *tile_max = t == 0 ? m[0][0] : (t == 1 ? m[0][1] : (t == 2 ? m[1][0] : m[1][1]));
+}
+
 template <typename T, int D, warp::sp_pattern P>
 __global__ void __launch_bounds__(kThreads) sddmm_select_kernel(pipeline_args a) {
-  static_assert(D % 16 == 0, "head dim must be a multiple of the mma k step");
-  __shared__ __align__(16) T qs[kTileRows][D + kPad];
-  __shared__ __align__(16) T ks[kTileKeys][D + kPad];
+  static_assert(D % 16 == 0 && D <= 128, "head dim: a multiple of the mma k step, at most 128");
+  __shared__ __align__(16) T ks[kStages][kStepKeys][D + kPad];
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp_id = tid >> 5;
-  const i64 key0 = static_cast<i64>(blockIdx.x) * kTileKeys;
-  const i64 row0 = static_cast<i64>(blockIdx.y) * kTileRows;
-  const i64 bh = blockIdx.z;
+  const i64 row0 = static_cast<i64>(blockIdx.x) * kTileRows;
+  const i64 bh = blockIdx.y;
   const i64 b = bh / a.heads;
   const i64 h = bh % a.heads;
   const i64 hkv = h / (a.heads / a.heads_kv);
+  const i64 kv_len = kv_length(a, b);
 
+  // Keys of the loop: up to the end of the CTA's last real row, whole steps (tile skipping); the
+  // first `full` keys are seen whole by every row of the CTA (its first row's end).
+  const i64 last_row = row0 + kTileRows - 1 < a.seqlen_q ? row0 + kTileRows - 1 : a.seqlen_q - 1;
+  const i64 key_end = mask::visible_end(a.causal, a.seqlen_q, a.seqlen_k, kv_len, last_row);
+  const i64 steps = (key_end + kStepKeys - 1) / kStepKeys;
+  const i64 full_steps = mask::visible_end(a.causal, a.seqlen_q, a.seqlen_k, kv_len, row0) / kStepKeys;
+
+  // The warp's rows: Q fragments straight from global memory (rows past Lq are zero), visible ends.
+  const i64 wrow0 = row0 + 32 * warp_id;
   const T* q = static_cast<const T*>(a.q) + b * a.q_stride[0] + h * a.q_stride[2];
-  const T* k = static_cast<const T*>(a.k) + b * a.k_stride[0] + hkv * a.k_stride[2];
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  // Rows of the tile that exist (the rest are zero-filled), as 32-bit counts: the copy loops below
-  // then need no 64-bit compares. Both loops have a trip count known at compile time (the tile
-  // divides evenly over the threads), so they unroll without branches.
-  static_assert(kTileRows * kChunks % kThreads == 0 && kTileKeys * kChunks % kThreads == 0);
-  const i64 q_left = a.seqlen_q - row0, k_left = a.seqlen_k - key0;
-  const int q_rows = q_left < kTileRows ? static_cast<int>(q_left) : kTileRows;
-  const int k_rows = k_left < kTileKeys ? static_cast<int>(k_left) : kTileKeys;
-  // Rows past the end are never read (cp.async with zero source bytes), but they still name the
-  // slice's first row, a valid address.
-  const T* q_tile = q + row0 * a.q_stride[1];
-  const T* k_tile = k + key0 * a.k_stride[1];
-  DFSS_UNROLL
-  for (int it = 0; it < kTileRows * kChunks / kThreads; ++it) {
-    const int c = tid + it * kThreads;
-    const int r = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    const bool ok = r < q_rows;
-    ptx::cp_async_16(&qs[r][col], ok ? q_tile + r * a.q_stride[1] + col : q, ok);
-  }
-  DFSS_UNROLL
-  for (int it = 0; it < kTileKeys * kChunks / kThreads; ++it) {
-    const int c = tid + it * kThreads;
-    const int r = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    const bool ok = r < k_rows;
-    ptx::cp_async_16(&ks[r][col], ok ? k_tile + r * a.k_stride[1] + col : k, ok);
-  }
-  ptx::cp_async_commit();
-  ptx::cp_async_wait<0>();
-  __syncthreads();
-
-  const int wr = warp_id >> 1;  // row unit
-  const int wk = warp_id & 1;   // key unit
-  float acc[2][4][4] = {};
-  DFSS_UNROLL
-  for (int kk = 0; kk < D; kk += 16) {
-    std::uint32_t af[2][4];
-    DFSS_UNROLL
-    for (int i = 0; i < 2; ++i) {
-      const warp::smem_coord at = warp::ldsm_a16_x4(lane);
-      ptx::ldmatrix_x4(af[i], &qs[32 * wr + 16 * i + at.row][kk + at.col]);
-    }
-    DFSS_UNROLL
-    for (int jp = 0; jp < 2; ++jp) {
-      // Matrix m = lane / 8: n8 tile 2 jp + m / 2, k half m % 2, keys permuted (ldmatrix_addr.hpp).
-      const warp::smem_coord at = warp::ldsm_sddmm16_b_x4(lane, jp);
-      std::uint32_t bf[4];
-      ptx::ldmatrix_x4(bf, &ks[32 * wk + at.row][kk + at.col]);
-      DFSS_UNROLL
-      for (int i = 0; i < 2; ++i) {
-        ptx::mma_m16n8k16<T>(acc[i][2 * jp], af[i], bf[0], bf[1]);
-        ptx::mma_m16n8k16<T>(acc[i][2 * jp + 1], af[i], bf[2], bf[3]);
-      }
-    }
-  }
-
-  // Epilogue: masks, selection, stores.
-  const i64 urow0 = row0 + 32 * wr;
-  const i64 ukey0 = key0 + 32 * wk;
-  const warp::score_mask mask{a.seqlen_q, a.seqlen_k, kv_length(a, b), a.causal};
-  warp::apply_unit16_mask(acc, lane, urow0, ukey0, mask);
-  const warp::unit16_selection<float> sel = warp::select_unit16(acc, lane, P);
-  // The lane's stores are at fixed offsets from its first one: rows 16 i (+ 8 for e >= 2) and
-  // compressed columns + 8 (e >= 4), so one 64-bit address and constant offsets.
-  const std::int64_t ld = a.layout.keys_padded / 2;
-  const warp::unit16_store st0 = warp::unit16_value_store(lane, 0, 0, urow0, ukey0);
-  T* values = static_cast<T*>(a.values) + bh * a.layout.value_elems() + a.layout.value_offset(st0.row, st0.ccol);
+  warp_rows w;
   DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
     DFSS_UNROLL
-    for (int e = 0; e < 8; e += 2) {
-      const warp::unit16_store st = warp::unit16_value_store(lane, i, e, 0, 0);
-      const warp::unit16_store base = warp::unit16_value_store(lane, 0, 0, 0, 0);
-      *reinterpret_cast<std::uint32_t*>(values + (st.row - base.row) * ld + (st.ccol - base.ccol)) =
-          ptx::elem<T>::pack(sel.a[i][e] * a.scale_log2, sel.a[i][e + 1] * a.scale_log2);
+    for (int kk = 0; kk < D; kk += 16) {
+      DFSS_UNROLL
+      for (int reg = 0; reg < 4; ++reg) {
+        const warp::frag_coord c = warp::mma_a16_coord(lane, 2 * reg);
+        const i64 row = wrow0 + 16 * i + c.row;
+        w.qf[i][kk / 16][reg] =
+            row < a.seqlen_q ? *reinterpret_cast<const std::uint32_t*>(q + row * a.q_stride[1] + kk + c.col) : 0u;
+      }
+    }
+    DFSS_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      w.end[i][rh] = static_cast<int>(
+          mask::visible_end(a.causal, a.seqlen_q, a.seqlen_k, kv_len, wrow0 + 16 * i + 8 * rh + (lane >> 2)));
+      w.run_max[i][rh] = warp::neg_inf_f32();
     }
   }
-  const std::uint32_t word = warp::meta_quad_exchange<warp::device_warp>(
-      sel.meta_bits[0][0], sel.meta_bits[0][1], sel.meta_bits[1][0], sel.meta_bits[1][1]);
-  a.meta[bh * a.layout.meta_words() + a.layout.meta_offset(urow0 / 32, ukey0 / 32, lane)] = word;
+
+  // The copy: each thread moves the same 16-byte chunks of every step (rows r0 + kPassRows it,
+  // column col), into rows permuted within each unit (sddmm16_smem_row_of_key); keys past Lk are
+  // zero-filled. Shared addresses are computed once; a step adds one offset to the global address
+  // (integer arithmetic: a chunk past Lk forms an address that is never read).
+  constexpr int kChunks = D / 8;
+  constexpr int kPassRows = kThreads / kChunks;
+  constexpr int kCopies = kStepKeys / kPassRows;
+  static_assert(kThreads % kChunks == 0 && kStepKeys % kPassRows == 0, "the step divides evenly over the threads");
+  constexpr std::uint32_t kStageBytes = sizeof(ks[0]);
+  const int r0 = tid / kChunks;
+  const int col = (tid % kChunks) * 8;
+  std::uint32_t dst[kCopies];
+  DFSS_UNROLL
+  for (int it = 0; it < kCopies; ++it) {
+    const int r = r0 + kPassRows * it;
+    dst[it] = ptx::smem_addr(&ks[0][32 * (r / 32) + warp::sddmm16_smem_row_of_key(r % 32)][col]);
+  }
+  const T* k = static_cast<const T*>(a.k) + b * a.k_stride[0] + hkv * a.k_stride[2];
+  const std::uint64_t src0 = reinterpret_cast<std::uint64_t>(k) + static_cast<std::uint64_t>(r0 * a.k_stride[1] + col) * sizeof(T);
+  const std::uint64_t step_bytes = static_cast<std::uint64_t>(kStepKeys * a.k_stride[1]) * sizeof(T);
+  const std::uint64_t pass_bytes = static_cast<std::uint64_t>(kPassRows * a.k_stride[1]) * sizeof(T);
+  auto load_step = [&](int stage, i64 step) {
+    const i64 left = a.seqlen_k - step * kStepKeys - r0;  // rows of this thread's chunks that exist
+    const std::uint64_t src = src0 + static_cast<std::uint64_t>(step) * step_bytes;
+    DFSS_UNROLL
+    for (int it = 0; it < kCopies; ++it) {
+      ptx::cp_async_16(dst[it] + static_cast<std::uint32_t>(stage) * kStageBytes, src + it * pass_bytes,
+                       kPassRows * it < left);
+    }
+  };
+
+  // Output pointers of the warp's first unit; every unit advances them by constant strides.
+  const i64 row_block = wrow0 / 32;
+  T* values = static_cast<T*>(a.values) + bh * a.layout.value_elems() +
+              warp::fold_value_offset(a.layout, row_block, 0, 0, lane);
+  std::uint32_t* meta = a.meta + bh * a.layout.meta_words() + a.layout.meta_offset(row_block, 0, lane);
+  float* tile_max = a.tile_max + bh * warp::fold_tile_max_elems(a.layout) +
+                    warp::fold_tile_max_offset(a.layout, row_block, 0, warp::fold_lane_row(lane));
+  constexpr i64 kValueStride = 2 * 32 * 8;  // elements per unit (fold_value_offset)
+  const i64 meta_stride = a.layout.rows_padded;
+
+  if (steps > 0) load_step(0, 0);
+  ptx::cp_async_commit();
+  auto run = [&](auto masked, i64 s_begin, i64 s_end) {
+    for (i64 s = s_begin; s < s_end; ++s) {
+      const int stage = static_cast<int>(s & 1);
+      if (s + 1 < steps) load_step(stage ^ 1, s + 1);
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<1>();
+      __syncthreads();
+      // Not unrolled: the two units' epilogues would interleave and double the live accumulators.
+#pragma unroll 1
+      for (int u = 0; u < 2; ++u) {
+        sddmm_unit<T, D, P, decltype(masked)::value>(a, &ks[stage][32 * u], lane, w, s * kStepKeys + 32 * u,
+                                                     values, meta, tile_max);
+        values += kValueStride;
+        meta += meta_stride;
+        tile_max += 32;
+      }
+      __syncthreads();
+    }
+  };
+  const i64 split = full_steps < steps ? full_steps : steps;
+  run(std::false_type{}, 0, split);
+  run(std::true_type{}, split, steps);
+  ptx::cp_async_wait<0>();
+
+  const int t = lane & 3;
+  a.row_max[bh * a.layout.rows_padded + wrow0 + warp::fold_lane_row(lane)] =
+      t == 0 ? w.run_max[0][0] : (t == 1 ? w.run_max[0][1] : (t == 2 ? w.run_max[1][0] : w.run_max[1][1]));
 }
 
 }  // namespace
 
 template <typename T, int D, warp::sp_pattern P>
 cudaError_t launch_sddmm_select(const pipeline_args& a, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(a.layout.keys_padded / kTileKeys),
-                  static_cast<unsigned>(a.layout.rows_padded / kTileRows),
-                  static_cast<unsigned>(a.batch * a.heads));
+  const dim3 grid(static_cast<unsigned>(a.layout.rows_padded / kTileRows), static_cast<unsigned>(a.batch * a.heads));
   sddmm_select_kernel<T, D, P><<<grid, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }

@@ -55,33 +55,10 @@ regs_t ldmatrix_x4(const tile& t, Addr addr, bool trans) {
   return out;
 }
 
-// Shared-memory shapes of the kernels (sddmm_select.cu: kTileRows = kTileKeys = 64, kPad = 8;
-// spmm.cu: 64 keys per step, kPad = 8, compressed P rows of 32 + 8).
+// Shared-memory shapes of the kernels (sddmm_select.cu: 64 keys per step, kPad = 8; spmm.cu: 64
+// keys per step, kPad = 8). Q and P need no ldmatrix: the SDDMM loads its Q fragments and the SpMM
+// its P fragments straight from global memory (mma_a16_coord; softmax_fold.hpp's fragment order).
 constexpr int kPad = 8;
-
-TEST(CudaLdmatrix, SddmmQLoadsTheDenseAFragment) {
-  for (int d : {64, 128}) {
-    const tile qs{64, d + kPad};
-    for (int wr = 0; wr < 2; ++wr) {
-      for (int i = 0; i < 2; ++i) {
-        for (int kk = 0; kk < d; kk += 16) {
-          const int r0 = 32 * wr + 16 * i;
-          const regs_t got = ldmatrix_x4(qs, [&](int l) {
-            const w::smem_coord at = w::ldsm_a16_x4(l);
-            return w::smem_coord{r0 + at.row, kk + at.col};
-          }, false);
-          for (int lane = 0; lane < 32; ++lane) {
-            for (int e = 0; e < 8; ++e) {
-              const w::frag_coord c = w::mma_a16_coord(lane, e);
-              ASSERT_EQ(got[lane][e / 2][e % 2], code(r0 + c.row, kk + c.col))
-                  << "d " << d << " wr " << wr << " i " << i << " kk " << kk << " lane " << lane << " a" << e;
-            }
-          }
-        }
-      }
-    }
-  }
-}
 
 TEST(CudaLdmatrix, SddmmKLoadsPermutedBFragments) {
   for (int d : {64, 128}) {
@@ -94,40 +71,17 @@ TEST(CudaLdmatrix, SddmmKLoadsPermutedBFragments) {
             return w::smem_coord{32 * wk + at.row, kk + at.col};
           }, false);
           // bf[0], bf[1]: B of n8 tile 2 jp; bf[2], bf[3]: n8 tile 2 jp + 1. B(k, n) of n8 tile j is
-          // K row (key of accumulator column 8 j + n), head-dim column kk + k.
+          // key (key of accumulator column 8 j + n), head-dim column kk + k, which the copy put in
+          // shared-memory row sddmm16_smem_row_of_key(key) of its unit.
           for (int lane = 0; lane < 32; ++lane) {
             for (int half = 0; half < 2; ++half) {
               const int j = 2 * jp + half;
               for (int e = 0; e < 4; ++e) {
                 const w::frag_coord c = w::mma_b16_coord(lane, e);
-                const int key = 32 * wk + w::sddmm16_key_of_column(8 * j + c.col);
-                ASSERT_EQ(got[lane][2 * half + e / 2][e % 2], code(key, kk + c.row))
+                const int key = w::sddmm16_key_of_column(8 * j + c.col);
+                ASSERT_EQ(got[lane][2 * half + e / 2][e % 2], code(32 * wk + w::sddmm16_smem_row_of_key(key), kk + c.row))
                     << "d " << d << " wk " << wk << " jp " << jp << " kk " << kk << " lane " << lane << " b" << e;
               }
-            }
-          }
-        }
-      }
-    }
-  }
-}
-
-TEST(CudaLdmatrix, SpmmPLoadsTheSparseAFragment) {
-  for (int rows : {128, 64}) {  // D = 64 and D = 128 tiles
-    const tile ps{rows, 32 + kPad};
-    for (int wm = 0; wm < rows / 32; ++wm) {
-      for (int i = 0; i < 2; ++i) {
-        for (int kstep = 0; kstep < 2; ++kstep) {
-          const int r0 = 32 * wm + 16 * i;
-          const regs_t got = ldmatrix_x4(ps, [&](int l) {
-            const w::smem_coord at = w::ldsm_a16_x4(l);
-            return w::smem_coord{r0 + at.row, 16 * kstep + at.col};
-          }, false);
-          for (int lane = 0; lane < 32; ++lane) {
-            for (int e = 0; e < 8; ++e) {
-              const w::frag_coord c = w::mma_sp_a16_coord(lane, e);
-              ASSERT_EQ(got[lane][e / 2][e % 2], code(r0 + c.row, 16 * kstep + c.col))
-                  << "rows " << rows << " wm " << wm << " i " << i << " ks " << kstep << " lane " << lane << " a" << e;
             }
           }
         }
@@ -160,8 +114,8 @@ TEST(CudaLdmatrix, SpmmVTransLoadsTheSparseBFragment) {
   }
 }
 
-// The emulation is not vacuous: a non-transposed load of V, or Q's A-fragment addresses shifted by
-// one row, puts elements in the wrong registers.
+// The emulation is not vacuous: a non-transposed load of V, or K's addresses shifted by one lane,
+// puts elements in the wrong registers.
 TEST(CudaLdmatrix, TheEmulationSeesWrongAddressesAndAMissingTrans) {
   const tile vs{64, 64 + kPad};
   const regs_t plain = ldmatrix_x4(vs, [](int l) { return w::ldsm_spmm_b_x4_trans(l); }, false);
@@ -173,19 +127,16 @@ TEST(CudaLdmatrix, TheEmulationSeesWrongAddressesAndAMissingTrans) {
     }
   }
   EXPECT_GT(wrong, 200);
-  const tile qs{64, 64 + kPad};
-  const regs_t shifted = ldmatrix_x4(qs, [](int l) {
-    const w::smem_coord at = w::ldsm_a16_x4((l + 1) % 32);
-    return at;
-  }, false);
+  const tile ks{64, 64 + kPad};
+  const regs_t shifted = ldmatrix_x4(ks, [](int l) { return w::ldsm_sddmm16_b_x4((l + 1) % 32, 0); }, false);
   wrong = 0;
   for (int lane = 0; lane < 32; ++lane) {
-    for (int e = 0; e < 8; ++e) {
-      const w::frag_coord c = w::mma_a16_coord(lane, e);
-      wrong += shifted[lane][e / 2][e % 2] != code(c.row, c.col);
+    for (int e = 0; e < 4; ++e) {
+      const w::frag_coord c = w::mma_b16_coord(lane, e);
+      wrong += shifted[lane][e / 2][e % 2] != code(w::sddmm16_smem_row_of_key(w::sddmm16_key_of_column(c.col)), c.row);
     }
   }
-  EXPECT_EQ(wrong, 256);
+  EXPECT_GT(wrong, 100);
 }
 
 }  // namespace

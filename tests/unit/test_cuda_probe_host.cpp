@@ -5,10 +5,10 @@
 // (bits 31:16), one nibble per group), independently of mma_sp_meta_slot. Then the same experiments
 // against a "hardware" that reads the other lane of each pair, or the other selector's lanes, must
 // report mismatches: a GPU run whose metadata layout differs from the table cannot pass the probe.
-// The per-kernel checks (check_sddmm, check_softmax, check_spmm) are run on a CPU simulation of the
-// kernels (the SDDMM epilogue through the warp functions for all 32 lanes, the softmax and the SpMM
-// in f32 as the kernels compute them): they must pass it, and must catch a value one bit off, a
-// wrong metadata nibble, a probability two ulps off and an output off by 1e-3.
+// The per-kernel checks (check_sddmm, check_spmm) are run on a CPU simulation of the two kernels
+// (the SDDMM epilogue through the warp functions for all 32 lanes, the SpMM in f32 as the kernel
+// computes it): they must pass it, and must catch a weight two ulps off, a wrong metadata nibble,
+// a tile or row maximum one ulp off, and an output or LSE off by 3e-2.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -17,6 +17,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <set>
 #include <utility>
 #include <vector>
@@ -24,6 +25,8 @@
 #include "cuda/probe/probe_host.hpp"
 #include "cuda/warp/nm_warp_select.hpp"
 #include "cuda/warp/sddmm_epilogue.hpp"
+#include "cuda/warp/softmax_fold.hpp"
+#include "dfss/mask/visibility.hpp"
 #include "dfss/format.hpp"
 #include "dfss/numeric.hpp"
 
@@ -174,23 +177,32 @@ namespace w = dfss::cuda::warp;
 
 struct sim {
   std::vector<float> scores;  // Lq x Lk, exact
-  std::vector<dfss::bfloat16> values, probs;
+  std::vector<dfss::bfloat16> values;
   std::vector<std::uint32_t> meta;
-  std::vector<float> lse;
+  std::vector<float> tile_max, row_max, lse;
   std::vector<dfss::bfloat16> v;  // Lk x d
   std::vector<float> out;         // Lq x d
 };
 
 constexpr int kD = 16;
+using bf = dfss::bfloat16;
 
-// The SDDMM epilogue of every 32 x 32 unit through the kernels' warp functions (as
-// test_cuda_warp.cpp's epilogue test does), the softmax and the SpMM in f32 like the kernels.
-sim simulate(const pr::slice_case& c, std::mt19937_64& rng) {
+float bf_round(float x) { return static_cast<float>(dfss::to_double(dfss::from_double<bf>(static_cast<double>(x)))); }
+
+// The two kernels as the GPU runs them, through the shared warp functions for all 32 lanes: the
+// SDDMM epilogue of every unit its 128-row CTA reaches (mask from each row's visible end, quad row
+// maxima, the no-NaN selection, the weights, fragment-order stores, the metadata exchange), then the
+// SpMM in f32 (factors rounded to bf16, weights times factors rounded as HMUL2 does, the products
+// with V and with the ones column accumulated in f32).
+// @p plant may overwrite scores (row, key) before the kernels run.
+sim simulate(const pr::slice_case& c, std::mt19937_64& rng,
+             const std::vector<std::tuple<std::int64_t, std::int64_t, float>>& plant = {}) {
   const w::intermediate_layout& lay = c.lay;
   std::uniform_int_distribution<int> small(-3, 3);
   std::uniform_real_distribution<double> real(-1.0, 1.0);
   std::vector<float> raw(static_cast<std::size_t>(lay.rows_padded * lay.keys_padded));
   for (auto& x : raw) x = static_cast<float>(small(rng));
+  for (const auto& [r, j, x] : plant) raw[static_cast<std::size_t>(r * lay.keys_padded + j)] = x;
   sim o;
   o.scores.resize(static_cast<std::size_t>(c.Lq * c.Lk));
   for (std::int64_t r = 0; r < c.Lq; ++r) {
@@ -198,78 +210,93 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng) {
       o.scores[static_cast<std::size_t>(r * c.Lk + j)] = raw[static_cast<std::size_t>(r * lay.keys_padded + j)];
     }
   }
-  o.values.resize(static_cast<std::size_t>(lay.value_elems()));
-  o.meta.resize(static_cast<std::size_t>(lay.meta_words()));
-  const w::score_mask mask{c.Lq, c.Lk, c.kv, c.causal};
+  o.values.assign(static_cast<std::size_t>(lay.value_elems()), dfss::from_double<bf>(std::nan("")));
+  o.meta.assign(static_cast<std::size_t>(lay.meta_words()), 0u);
+  o.tile_max.assign(static_cast<std::size_t>(w::fold_tile_max_elems(lay)), std::nanf(""));
+  o.row_max.assign(static_cast<std::size_t>(lay.rows_padded), std::nanf(""));
   const w::sp_pattern p = c.two_of_four ? w::sp_pattern::p2of4 : w::sp_pattern::p1of2;
   for (std::int64_t rb = 0; rb < lay.rows_padded / 32; ++rb) {
-    for (std::int64_t kb = 0; kb < lay.keys_padded / 32; ++kb) {
-      w::host_warp::u32 bits[2][2] = {};
+    const std::int64_t written = rb * 32 < c.Lq ? pr::sddmm_written_keys(c, rb * 32) : 0;
+    float run_max[32][2][2];
+    for (auto& l : run_max) for (auto& i : l) for (float& x : i) x = -std::numeric_limits<float>::infinity();
+    for (std::int64_t kb = 0; kb < written / 32; ++kb) {
+      float acc[32][2][4][4];
+      float m[32][2][2];
       for (int lane = 0; lane < 32; ++lane) {
-        float acc[2][4][4];
+        int end[2][2];
         for (int i = 0; i < 2; ++i) {
           for (int j = 0; j < 4; ++j) {
             for (int r = 0; r < 4; ++r) {
               const w::frag_coord fc = w::sddmm16_acc_coord(lane, i, j, r);
-              acc[i][j][r] = raw[static_cast<std::size_t>((32 * rb + fc.row) * lay.keys_padded + 32 * kb + fc.col)];
+              acc[lane][i][j][r] = raw[static_cast<std::size_t>((32 * rb + fc.row) * lay.keys_padded + 32 * kb + fc.col)];
             }
           }
+          for (int rh = 0; rh < 2; ++rh) {
+            const std::int64_t row = 32 * rb + 16 * i + 8 * rh + w::group_of(lane);
+            end[i][rh] = w::unit_relative_end(static_cast<int>(dfss::mask::visible_end(c.causal, c.Lq, c.Lk, c.kv, row)),
+                                              static_cast<int>(32 * kb));
+          }
         }
-        w::apply_unit16_mask(acc, lane, 32 * rb, 32 * kb, mask);
-        const w::unit16_selection<float> sel = w::select_unit16(acc, lane, p);
+        w::mask_unit16_relative(acc[lane], lane, end);
+        w::unit16_lane_row_max(acc[lane], m[lane]);
+      }
+      w::host_warp::u32 bits[2][2] = {};
+      for (int lane = 0; lane < 32; ++lane) {
+        float mq[2][2];
         for (int i = 0; i < 2; ++i) {
-          for (int e = 0; e < 8; e += 2) {
-            const w::unit16_store st = w::unit16_value_store(lane, i, e, 32 * rb, 32 * kb);
-            o.values[static_cast<std::size_t>(lay.value_offset(st.row, st.ccol))] =
-                dfss::from_double<dfss::bfloat16>(static_cast<double>(sel.a[i][e] * c.scale_log2));
-            o.values[static_cast<std::size_t>(lay.value_offset(st.row, st.ccol + 1))] =
-                dfss::from_double<dfss::bfloat16>(static_cast<double>(sel.a[i][e + 1] * c.scale_log2));
+          for (int rh = 0; rh < 2; ++rh) {
+            const int q0 = lane & ~3;
+            mq[i][rh] = w::max_nan(w::max_nan(m[q0][i][rh], m[q0 + 1][i][rh]), w::max_nan(m[q0 + 2][i][rh], m[q0 + 3][i][rh]));
+            run_max[lane][i][rh] = w::max_nan(run_max[lane][i][rh], mq[i][rh]);
+          }
+        }
+        const w::unit16_selection<float> sel = w::select_unit16_no_nan(acc[lane], lane, p);
+        for (int i = 0; i < 2; ++i) {
+          for (int e = 0; e < 8; ++e) {
+            const float ref = w::fold_reference(mq[i][(e >> 1) & 1]);
+            o.values[static_cast<std::size_t>(w::fold_value_offset(lay, rb, kb, i, lane) + e)] =
+                dfss::from_double<bf>(static_cast<double>(w::fold_weight(sel.a[i][e], ref, c.scale_log2)));
           }
           for (int h = 0; h < 2; ++h) bits[i][h][lane] = sel.meta_bits[i][h];
         }
+        const int t = w::quad_pos_of(lane);
+        o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(lay, rb, kb, w::fold_lane_row(lane)))] = mq[t >> 1][t & 1];
       }
-      const w::host_warp::u32 m = w::meta_quad_exchange<w::host_warp>(bits[0][0], bits[0][1], bits[1][0], bits[1][1]);
-      for (int lane = 0; lane < 32; ++lane) o.meta[static_cast<std::size_t>(lay.meta_offset(rb, kb, lane))] = m[lane];
+      const w::host_warp::u32 mw = w::meta_quad_exchange<w::host_warp>(bits[0][0], bits[0][1], bits[1][0], bits[1][1]);
+      for (int lane = 0; lane < 32; ++lane) o.meta[static_cast<std::size_t>(lay.meta_offset(rb, kb, lane))] = mw[lane];
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      const int t = w::quad_pos_of(lane);
+      o.row_max[static_cast<std::size_t>(32 * rb + w::fold_lane_row(lane))] = run_max[lane][t >> 1][t & 1];
     }
   }
-  // Softmax in f32, as softmax_compressed.cu: max, sum of exp2f, p = exp2f(x - max) / sum.
-  const std::int64_t cols = lay.keys_padded / 2;
-  o.probs = o.values;
-  o.lse.assign(static_cast<std::size_t>(c.Lq), 0.0f);
-  for (std::int64_t r = 0; r < c.Lq; ++r) {
-    float m = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-    for (std::int64_t x = 0; x < cols; ++x) m = std::max(m, static_cast<float>(dfss::to_double(o.values[static_cast<std::size_t>(lay.value_offset(r, x))])));
-    const bool empty = std::isinf(m);
-    for (std::int64_t x = 0; x < cols && !empty; ++x) {
-      sum += std::exp2(static_cast<float>(dfss::to_double(o.values[static_cast<std::size_t>(lay.value_offset(r, x))])) - m);
-    }
-    const float inv = empty ? 0.0f : 1.0f / sum;
-    const float mm = empty ? 0.0f : m;
-    for (std::int64_t x = 0; x < cols; ++x) {
-      const std::size_t at = static_cast<std::size_t>(lay.value_offset(r, x));
-      o.probs[at] = dfss::from_double<dfss::bfloat16>(static_cast<double>(std::exp2(static_cast<float>(dfss::to_double(o.values[at])) - mm) * inv));
-    }
-    o.lse[static_cast<std::size_t>(r)] =
-        empty ? -std::numeric_limits<float>::infinity() : 0.69314718f * (m + std::log2(sum));
-  }
-  // SpMM in f32 over the kept keys (decoded from the simulated metadata via the format module).
+  // The SpMM: the kept keys from the simulated metadata (format module), over the units its loop
+  // reaches (the row's visible keys; later kept keys have weight 0 and finite V here).
   o.v.resize(static_cast<std::size_t>(c.Lk * kD));
-  for (auto& x : o.v) x = dfss::from_double<dfss::bfloat16>(real(rng));
+  for (auto& x : o.v) x = dfss::from_double<bf>(real(rng));
   std::vector<std::int32_t> idx;
-  pr::check_sddmm(c, o.scores, o.values.data(), o.meta.data(), idx);
+  pr::check_sddmm(c, o.scores, o.values.data(), o.meta.data(), o.tile_max.data(), o.row_max.data(), idx,
+                  pr::kBf16Bits, -126);
   o.out.assign(static_cast<std::size_t>(c.Lq * kD), 0.0f);
+  o.lse.assign(static_cast<std::size_t>(c.Lq), 0.0f);
   const std::int64_t slots = c.slots();
   for (std::int64_t r = 0; r < c.Lq; ++r) {
-    for (int x = 0; x < kD; ++x) {
-      float acc = 0.0f;
-      for (std::int64_t s = 0; s < slots; ++s) {
-        const std::int64_t key = idx[static_cast<std::size_t>(r * slots + s)];
-        if (key >= c.kv) continue;
-        acc += static_cast<float>(dfss::to_double(o.probs[static_cast<std::size_t>(lay.value_offset(r, s))])) *
-               static_cast<float>(dfss::to_double(o.v[static_cast<std::size_t>(key * kD + x)]));
-      }
-      o.out[static_cast<std::size_t>(r * kD + x)] = acc;
+    const std::int64_t end = dfss::mask::visible_end(c.causal, c.Lq, c.Lk, c.kv, r);
+    const float big_m = o.row_max[static_cast<std::size_t>(r)];
+    float acc[kD] = {};
+    float l = 0.0f;
+    for (std::int64_t sl = 0; sl < slots; ++sl) {
+      const std::int64_t key = idx[static_cast<std::size_t>(r * slots + sl)];
+      if (key >= end) continue;
+      const float m_t = o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(lay, r / 32, sl / 16, static_cast<int>(r % 32)))];
+      const float f = bf_round(w::fold_factor(m_t, big_m, c.scale_log2));
+      const float pw = bf_round(static_cast<float>(dfss::to_double(o.values[static_cast<std::size_t>(w::fold_value_index(lay, r, sl))])) * f);
+      l += pw;
+      for (int x = 0; x < kD; ++x) acc[x] += pw * static_cast<float>(dfss::to_double(o.v[static_cast<std::size_t>(key * kD + x)]));
     }
+    for (int x = 0; x < kD; ++x) o.out[static_cast<std::size_t>(r * kD + x)] = l == 0.0f ? 0.0f : acc[x] / l;
+    o.lse[static_cast<std::size_t>(r)] =
+        l == 0.0f ? -std::numeric_limits<float>::infinity() : 0.69314718f * (big_m * c.scale_log2 + std::log2(l));
   }
   return o;
 }
@@ -278,24 +305,30 @@ pr::slice_case make_case(std::int64_t Lq, std::int64_t Lk, std::int64_t kv, bool
   return {Lq, Lk, kv, causal, two_of_four, static_cast<float>(1.4426950408889634 / 4.0), w::intermediate_layout::make(Lq, Lk)};
 }
 
+std::array<pr::check_report, 2> spmm_check(const pr::slice_case& c, const sim& o, const std::vector<std::int32_t>& idx) {
+  return pr::check_spmm(c, idx, o.values.data(), o.tile_max.data(), o.row_max.data(), o.v.data(), kD, o.out.data(), kD,
+                        o.lse.data(), kD, pr::kBf16Bits, -126);
+}
+
 TEST(CudaProbeHost, KernelChecksPassASimulationOfTheKernels) {
   std::mt19937_64 rng(77);
-  const pr::slice_case cases[] = {make_case(45, 77, 77, true, true), make_case(70, 130, 100, false, false),
-                                  make_case(40, 33, 0, false, true), make_case(64, 20, 20, true, false)};
+  // Causal with Lq < Lk and rows past 128 (a second SDDMM CTA), key lengths, no keys, causal Lq > Lk.
+  const pr::slice_case cases[] = {make_case(45, 77, 77, true, true), make_case(150, 230, 200, true, false),
+                                  make_case(70, 130, 100, false, false), make_case(40, 33, 0, false, true),
+                                  make_case(64, 20, 20, true, false)};
   for (const pr::slice_case& c : cases) {
     SCOPED_TRACE("Lq " + std::to_string(c.Lq) + " Lk " + std::to_string(c.Lk) + " kv " + std::to_string(c.kv));
     const sim o = simulate(c, rng);
     std::vector<std::int32_t> idx;
-    const pr::check_report s = pr::check_sddmm(c, o.scores, o.values.data(), o.meta.data(), idx);
+    const pr::check_report s = pr::check_sddmm(c, o.scores, o.values.data(), o.meta.data(), o.tile_max.data(),
+                                               o.row_max.data(), idx, pr::kBf16Bits, -126);
     EXPECT_EQ(s.bad, 0) << s.first;
-    EXPECT_GT(s.checked, c.Lq);
-    const auto soft = pr::check_softmax(c, o.values.data(), o.probs.data(), o.lse.data(), pr::kBf16Bits, -126);
-    EXPECT_EQ(soft[0].bad, 0) << soft[0].first;
-    EXPECT_EQ(soft[1].bad, 0) << soft[1].first;
-    EXPECT_LE(soft[0].worst, 1.0);
-    const pr::check_report sp = pr::check_spmm(c, idx, o.probs.data(), o.v.data(), kD, o.out.data(), kD, kD);
-    EXPECT_EQ(sp.bad, 0) << sp.first;
-    EXPECT_EQ(sp.checked, c.Lq * kD);
+    EXPECT_GE(s.checked, c.kv == 0 ? c.Lq : 2 * c.Lq);  // at least the row maxima, and weights where keys exist
+    EXPECT_LE(s.worst, 1.0);
+    const auto sp = spmm_check(c, o, idx);
+    EXPECT_EQ(sp[0].bad, 0) << sp[0].first;
+    EXPECT_EQ(sp[1].bad, 0) << sp[1].first;
+    EXPECT_EQ(sp[0].checked, c.Lq * kD);
   }
 }
 
@@ -304,27 +337,76 @@ TEST(CudaProbeHost, KernelChecksCatchSmallErrors) {
   const pr::slice_case c = make_case(45, 77, 77, true, true);
   sim o = simulate(c, rng);
   std::vector<std::int32_t> idx;
-  // One kept value one bit off.
-  std::size_t at = static_cast<std::size_t>(c.lay.value_offset(40, 3));
-  o.values[at].bits ^= 1u;
-  EXPECT_EQ(pr::check_sddmm(c, o.scores, o.values.data(), o.meta.data(), idx).bad, 1);
-  o.values[at].bits ^= 1u;
+  const auto sddmm_bad = [&] {
+    return pr::check_sddmm(c, o.scores, o.values.data(), o.meta.data(), o.tile_max.data(), o.row_max.data(), idx,
+                           pr::kBf16Bits, -126).bad;
+  };
+  // One kept weight two ulps off (row 40 sees keys 0..72: slot 3 is a kept key there).
+  const std::size_t at = static_cast<std::size_t>(w::fold_value_index(c.lay, 40, 3));
+  o.values[at].bits = static_cast<std::uint16_t>(o.values[at].bits + 2);
+  EXPECT_EQ(sddmm_bad(), 1);
+  o.values[at].bits = static_cast<std::uint16_t>(o.values[at].bits - 2);
   // One metadata nibble another legal code (0x4 <-> 0x8): the word differs, every nibble legal.
   o.meta[0] ^= 0xCu;
-  const pr::check_report m = pr::check_sddmm(c, o.scores, o.values.data(), o.meta.data(), idx);
-  EXPECT_GE(m.bad, 1);
+  EXPECT_GE(sddmm_bad(), 1);
   o.meta[0] ^= 0xCu;
-  // A probability two ulps off, and an LSE off by 1e-3.
-  at = static_cast<std::size_t>(c.lay.value_offset(44, 5));
-  o.probs[at].bits = static_cast<std::uint16_t>(o.probs[at].bits + 2);
-  o.lse[7] += 1e-3f;
-  const auto soft = pr::check_softmax(c, o.values.data(), o.probs.data(), o.lse.data(), pr::kBf16Bits, -126);
-  EXPECT_EQ(soft[0].bad, 1);
-  EXPECT_EQ(soft[1].bad, 1);
-  o.probs[at].bits = static_cast<std::uint16_t>(o.probs[at].bits - 2);
-  // An output off by 1e-3.
-  o.out[100] += 1e-3f;
-  EXPECT_EQ(pr::check_spmm(c, idx, o.probs.data(), o.v.data(), kD, o.out.data(), kD, kD).bad, 1);
+  // A tile maximum and a row maximum one f32 ulp off.
+  float& tm = o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(c.lay, 0, 1, 7))];
+  tm = std::nextafter(tm, 1e9f);
+  EXPECT_EQ(sddmm_bad(), 1);
+  tm = std::nextafter(tm, -1e9f);
+  o.row_max[3] = std::nextafter(o.row_max[3], 1e9f);
+  EXPECT_EQ(sddmm_bad(), 1);
+  o.row_max[3] = std::nextafter(o.row_max[3], -1e9f);
+  ASSERT_EQ(sddmm_bad(), 0);
+  // An output and an LSE off by 3e-2 (the tolerances allow about one bf16 ulp, 2^-8 relative, per
+  // weight: the device's factors come from ex2.approx).
+  o.out[100] += 3e-2f;
+  o.lse[7] += 3e-2f;
+  const auto sp = spmm_check(c, o, idx);
+  EXPECT_EQ(sp[0].bad, 1);
+  EXPECT_EQ(sp[1].bad, 1);
+}
+
+TEST(CudaProbeHost, FoldedSoftmaxOfSpecialRows) {
+  // Through the simulated kernels: a NaN visible score makes its row NaN (O and LSE), a +inf one
+  // too (exp2(inf - inf)); a row whose visible scores are all -inf gives O = 0, LSE = -inf; a huge
+  // finite score (3e38) takes the whole weight, O = its V row exactly, LSE = ln 2 (3e38 c) finite; a
+  // NaN or +inf at a masked key (past the key length) changes nothing. Every other row is bit for bit
+  // the run without these scores. (A NaN row's kept set is unspecified, so no metadata check here.)
+  const pr::slice_case c = make_case(40, 70, 60, false, true);
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<std::tuple<std::int64_t, std::int64_t, float>> plant = {
+      {5, 10, std::nanf("")}, {9, 45, inf}, {14, 3, 3e38f}, {20, 62, std::nanf("")}, {21, 65, inf}};
+  for (std::int64_t j = 0; j < 70; ++j) plant.emplace_back(30, j, -inf);
+  std::mt19937_64 r1(79), r2(79);
+  const sim base = simulate(c, r1);
+  const sim o = simulate(c, r2, plant);
+  for (std::int64_t r = 0; r < c.Lq; ++r) {
+    SCOPED_TRACE("row " + std::to_string(r));
+    const float lse = o.lse[static_cast<std::size_t>(r)];
+    for (int x = 0; x < kD; ++x) {
+      const float got = o.out[static_cast<std::size_t>(r * kD + x)];
+      if (r == 5 || r == 9) {
+        EXPECT_TRUE(std::isnan(got));
+      } else if (r == 14) {
+        EXPECT_EQ(got, static_cast<float>(dfss::to_double(o.v[static_cast<std::size_t>(3 * kD + x)])));
+      } else if (r == 30) {
+        EXPECT_EQ(got, 0.0f);
+      } else {
+        EXPECT_EQ(got, base.out[static_cast<std::size_t>(r * kD + x)]);
+      }
+    }
+    if (r == 5 || r == 9) {
+      EXPECT_TRUE(std::isnan(lse));
+    } else if (r == 14) {
+      EXPECT_FLOAT_EQ(lse, static_cast<float>(std::log(2.0) * (3e38 * static_cast<double>(c.scale_log2))));
+    } else if (r == 30) {
+      EXPECT_TRUE(std::isinf(lse) && lse < 0);
+    } else {
+      EXPECT_EQ(lse, base.lse[static_cast<std::size_t>(r)]);
+    }
+  }
 }
 
 }  // namespace

@@ -28,7 +28,9 @@
 #include "cuda/warp/mma_fragments.hpp"
 #include "cuda/warp/nm_warp_select.hpp"
 #include "cuda/warp/sddmm_epilogue.hpp"
+#include "cuda/warp/softmax_fold.hpp"
 #include "dfss/format.hpp"
+#include "dfss/mask/visibility.hpp"
 
 namespace {
 
@@ -240,8 +242,9 @@ struct unit16_run {
 };
 
 // Simulates the 32 lanes of one unit: loads each lane's accumulators from the natural-order
-// tile s[32][32] through the fragment maps, selects, and runs the quad exchange.
-unit16_run run_unit16(const std::vector<float>& s, w::sp_pattern p) {
+// tile s[32][32] through the fragment maps, selects (with the kernel's no-NaN rule when @p no_nan,
+// else the general one), and runs the quad exchange.
+unit16_run run_unit16(const std::vector<float>& s, w::sp_pattern p, bool no_nan = false) {
   unit16_run out;
   w::host_warp::u32 bits[2][2] = {};
   for (int lane = 0; lane < 32; ++lane) {
@@ -254,7 +257,7 @@ unit16_run run_unit16(const std::vector<float>& s, w::sp_pattern p) {
         }
       }
     }
-    const w::unit16_selection<float> sel = w::select_unit16(acc, lane, p);
+    const w::unit16_selection<float> sel = no_nan ? w::select_unit16_no_nan(acc, lane, p) : w::select_unit16(acc, lane, p);
     for (int i = 0; i < 2; ++i) {
       for (int e = 0; e < 8; ++e) out.a[static_cast<std::size_t>(i)][static_cast<std::size_t>(lane)][static_cast<std::size_t>(e)] = sel.a[i][e];
       for (int h = 0; h < 2; ++h) bits[i][h][lane] = sel.meta_bits[i][h];
@@ -270,9 +273,10 @@ meta_format to_format(w::sp_pattern p) {
   return p == w::sp_pattern::p2of4 ? meta_format::sm80_16bit_2of4 : meta_format::sm80_16bit_1of2;
 }
 
-void check_unit16(const std::vector<float>& s, w::sp_pattern p, bool check_product, const std::string& what) {
-  SCOPED_TRACE(what);
-  const unit16_run run = run_unit16(s, p);
+void check_unit16(const std::vector<float>& s, w::sp_pattern p, bool check_product, const std::string& what,
+                  bool no_nan = false) {
+  SCOPED_TRACE(what + (no_nan ? " (no-NaN rule)" : ""));
+  const unit16_run run = run_unit16(s, p, no_nan);
   const pattern pat = to_pattern(p);
 
   // Format module: compressed values and indices (16 per row), row-order words (2 per row), and
@@ -354,8 +358,10 @@ TEST(CudaWarpSelect16, TieFreeTiles2of4And1of2) {
   std::mt19937_64 rng(seed_for("tie_free16"));
   for (int rep = 0; rep < 50; ++rep) {
     const std::vector<float> s = make_tile(rng, 32, 32, tile_kind::tie_free);
-    check_unit16(s, w::sp_pattern::p2of4, true, "2:4 tie-free " + std::to_string(rep));
-    check_unit16(s, w::sp_pattern::p1of2, true, "1:2 tie-free " + std::to_string(rep));
+    for (bool no_nan : {false, true}) {
+      check_unit16(s, w::sp_pattern::p2of4, true, "2:4 tie-free " + std::to_string(rep), no_nan);
+      check_unit16(s, w::sp_pattern::p1of2, true, "1:2 tie-free " + std::to_string(rep), no_nan);
+    }
   }
 }
 
@@ -363,8 +369,10 @@ TEST(CudaWarpSelect16, TiedSmallIntegerTiles) {
   std::mt19937_64 rng(seed_for("ties16"));
   for (int rep = 0; rep < 50; ++rep) {
     const std::vector<float> s = make_tile(rng, 32, 32, tile_kind::small_ints);
-    check_unit16(s, w::sp_pattern::p2of4, true, "2:4 ties " + std::to_string(rep));
-    check_unit16(s, w::sp_pattern::p1of2, true, "1:2 ties " + std::to_string(rep));
+    for (bool no_nan : {false, true}) {
+      check_unit16(s, w::sp_pattern::p2of4, true, "2:4 ties " + std::to_string(rep), no_nan);
+      check_unit16(s, w::sp_pattern::p1of2, true, "1:2 ties " + std::to_string(rep), no_nan);
+    }
   }
 }
 
@@ -378,8 +386,31 @@ TEST(CudaWarpSelect16, InfAndNaNTiles) {
   // Whole rows of -inf (fully masked): every group keeps its lowest positions (nibble 0x4 for 2:4,
   // 0x8 for 1:2), which are legal.
   std::vector<float> s(32 * 32, -kInfF);
-  check_unit16(s, w::sp_pattern::p2of4, false, "2:4 all -inf");
-  check_unit16(s, w::sp_pattern::p1of2, false, "1:2 all -inf");
+  for (bool no_nan : {false, true}) {
+    check_unit16(s, w::sp_pattern::p2of4, false, "2:4 all -inf", no_nan);
+    check_unit16(s, w::sp_pattern::p1of2, false, "1:2 all -inf", no_nan);
+  }
+}
+
+TEST(CudaWarpSelect16, NoNanRuleWithInfinitiesAndSignedZeros) {
+  // The kernel's rule equals the general ranking on every NaN-free input, infinities, ties of
+  // -inf and +-0 included; with NaN it still yields legal nibbles (the row's output is NaN anyway).
+  std::mt19937_64 rng(seed_for("nonan16"));
+  for (int rep = 0; rep < 100; ++rep) {
+    std::vector<float> s = make_tile(rng, 32, 32, tile_kind::ties_inf_nan);
+    std::vector<float> no_nan = s;
+    for (std::size_t x = 0; x < no_nan.size(); ++x) {
+      if (std::isnan(no_nan[x])) no_nan[x] = (x % 3 == 0) ? kInfF : ((x % 3 == 1) ? -0.0f : 0.0f);
+    }
+    check_unit16(no_nan, w::sp_pattern::p2of4, false, "2:4 inf/zeros " + std::to_string(rep), true);
+    check_unit16(no_nan, w::sp_pattern::p1of2, false, "1:2 inf/zeros " + std::to_string(rep), true);
+    for (w::sp_pattern p : {w::sp_pattern::p2of4, w::sp_pattern::p1of2}) {
+      const unit16_run run = run_unit16(s, p, true);
+      for (std::uint32_t m : run.meta) {
+        for (int q = 0; q < 8; ++q) ASSERT_TRUE(dfss::is_legal_ordered_nibble((m >> (4 * q)) & 0xFu));
+      }
+    }
+  }
 }
 
 TEST(CudaWarpSelect16, AllSixNibblesAppearAndMultiplyCorrectly) {
@@ -396,6 +427,7 @@ TEST(CudaWarpSelect16, AllSixNibblesAppearAndMultiplyCorrectly) {
     }
   }
   check_unit16(s, w::sp_pattern::p2of4, true, "six nibbles");
+  check_unit16(s, w::sp_pattern::p2of4, true, "six nibbles", true);
   const unit16_run run = run_unit16(s, w::sp_pattern::p2of4);
   std::set<std::uint32_t> seen;
   for (std::uint32_t m : run.meta) {
@@ -510,9 +542,9 @@ TEST(CudaWarpExchange, ReduceScatterOverEachQuad) {
 
 // ---------------------------------------------------------------------------------------------
 // The SDDMM epilogue over whole matrices: masks (key lengths, causal), tails (Lq, Lk not
-// multiples of anything), and the global stores of values and metadata, simulated tile by tile
-// with the kernel's own functions, against nm_compress and nm_metadata_reorder of the masked
-// dense matrix.
+// multiples of anything), and the global stores of kept scores (in the fragment order of
+// softmax_fold.hpp, before the weights are formed) and metadata, simulated tile by tile with the
+// kernel's own functions, against nm_compress and nm_metadata_reorder of the masked dense matrix.
 struct epilogue_case {
   int rows, keys, kv_len;
   bool causal;
@@ -529,8 +561,6 @@ void check_epilogue(const epilogue_case& ec, std::mt19937_64& rng) {
   std::vector<float> raw(static_cast<std::size_t>(lay.rows_padded * lay.keys_padded));
   std::uniform_int_distribution<int> small(-3, 3);
   for (auto& x : raw) x = static_cast<float>(small(rng));
-  const w::score_mask mask{ec.rows, ec.keys, ec.kv_len, ec.causal};
-
   std::vector<float> values(static_cast<std::size_t>(lay.value_elems()), kNaNF);
   std::vector<std::uint32_t> meta(static_cast<std::size_t>(lay.meta_words()), 0xFFFFFFFFu);
   for (std::int64_t rb = 0; rb < lay.rows_padded / 32; ++rb) {
@@ -546,14 +576,18 @@ void check_epilogue(const epilogue_case& ec, std::mt19937_64& rng) {
             }
           }
         }
-        w::apply_unit16_mask(acc, lane, 32 * rb, 32 * kb, mask);
-        const w::unit16_selection<float> sel = w::select_unit16(acc, lane, ec.p);
+        int end[2][2];
         for (int i = 0; i < 2; ++i) {
-          for (int e = 0; e < 8; e += 2) {
-            const w::unit16_store st = w::unit16_value_store(lane, i, e, 32 * rb, 32 * kb);
-            values[static_cast<std::size_t>(lay.value_offset(st.row, st.ccol))] = sel.a[i][e];
-            values[static_cast<std::size_t>(lay.value_offset(st.row, st.ccol + 1))] = sel.a[i][e + 1];
+          for (int rh = 0; rh < 2; ++rh) {
+            const std::int64_t row = 32 * rb + 16 * i + 8 * rh + w::group_of(lane);
+            end[i][rh] = w::unit_relative_end(
+                static_cast<int>(dfss::mask::visible_end(ec.causal, ec.rows, ec.keys, ec.kv_len, row)), static_cast<int>(32 * kb));
           }
+        }
+        w::mask_unit16_relative(acc, lane, end);
+        const w::unit16_selection<float> sel = w::select_unit16_no_nan(acc, lane, ec.p);
+        for (int i = 0; i < 2; ++i) {
+          for (int e = 0; e < 8; ++e) values[static_cast<std::size_t>(w::fold_value_offset(lay, rb, kb, i, lane) + e)] = sel.a[i][e];
           for (int h = 0; h < 2; ++h) bits[i][h][lane] = sel.meta_bits[i][h];
         }
       }
@@ -579,7 +613,7 @@ void check_epilogue(const epilogue_case& ec, std::mt19937_64& rng) {
   for (int r = 0; r < ec.rows; ++r) {
     for (std::int64_t c = 0; c < slots; ++c) {
       // nm_compress's slot c is compressed column c for both patterns (two kept per 4 keys).
-      ASSERT_TRUE(same_float(values[static_cast<std::size_t>(lay.value_offset(r, c))],
+      ASSERT_TRUE(same_float(values[static_cast<std::size_t>(w::fold_value_index(lay, r, c))],
                              want_v[static_cast<std::size_t>(r * slots + c)]))
           << "row " << r << " slot " << c;
     }
@@ -620,8 +654,61 @@ TEST(CudaWarpEpilogue, LayoutSizesAndOffsetsAre64Bit) {
   EXPECT_GE(lay.rows_padded, 70000);
   EXPECT_GE(lay.keys_padded, 70001);
   EXPECT_GT(lay.value_elems(), std::int64_t{1} << 31);
-  EXPECT_EQ(lay.value_offset(lay.rows_padded - 1, lay.keys_padded / 2 - 1), lay.value_elems() - 1);
+  EXPECT_EQ(w::fold_value_offset(lay, lay.rows_padded / 32 - 1, lay.keys_padded / 32 - 1, 1, 31) + 7, lay.value_elems() - 1);
+  EXPECT_EQ(w::fold_value_index(lay, lay.rows_padded - 1, lay.keys_padded / 2 - 1), lay.value_elems() - 1);
+  EXPECT_EQ(w::fold_tile_max_offset(lay, lay.rows_padded / 32 - 1, lay.keys_padded / 32 - 1, 31),
+            w::fold_tile_max_elems(lay) - 1);
   EXPECT_EQ(lay.meta_offset(lay.rows_padded / 32 - 1, lay.keys_padded / 32 - 1, 31), lay.meta_words() - 1);
+}
+
+TEST(CudaWarpEpilogue, FoldValueIndexInvertsTheFragmentOrder) {
+  // Every element e of lane l's sparse A fragment of m16 tile i, unit (rb, kb), sits at row 32 rb +
+  // 16 i + row, compressed column 16 kb + col (mma_sp_a16_coord); fold_value_index of that position
+  // must be its fragment-order offset, and the map must cover a slice exactly once.
+  const w::intermediate_layout lay = w::intermediate_layout::make(130, 100);
+  std::vector<int> hits(static_cast<std::size_t>(lay.value_elems()), 0);
+  for (std::int64_t rb = 0; rb < lay.rows_padded / 32; ++rb) {
+    for (std::int64_t kb = 0; kb < lay.keys_padded / 32; ++kb) {
+      for (int i = 0; i < 2; ++i) {
+        for (int lane = 0; lane < 32; ++lane) {
+          for (int e = 0; e < 8; ++e) {
+            const w::frag_coord c = w::mma_sp_a16_coord(lane, e);
+            const std::int64_t at = w::fold_value_index(lay, 32 * rb + 16 * i + c.row, 16 * kb + c.col);
+            ASSERT_EQ(at, w::fold_value_offset(lay, rb, kb, i, lane) + e);
+            ++hits[static_cast<std::size_t>(at)];
+          }
+        }
+      }
+    }
+  }
+  for (int h : hits) ASSERT_EQ(h, 1);
+}
+
+TEST(CudaWarpFold, FactorsReferencesAndLaneRows) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(w::fold_reference(-inf), 0.0f);
+  EXPECT_EQ(w::fold_reference(3.5f), 3.5f);
+  EXPECT_EQ(w::fold_weight(-inf, 0.0f, 0.5f), 0.0f);             // masked score: weight 0
+  EXPECT_EQ(w::fold_weight(3e38f, 3e38f, 0.18f), 1.0f);          // huge finite: difference first
+  EXPECT_EQ(w::fold_weight(-3e38f, 3e38f, 0.18f), 0.0f);
+  EXPECT_EQ(w::fold_factor(-inf, -inf, 0.5f), 0.0f);             // masked unit of an empty row
+  EXPECT_EQ(w::fold_factor(-inf, 2.0f, 0.5f), 0.0f);
+  EXPECT_EQ(w::fold_factor(2.0f, 2.0f, 0.5f), 1.0f);
+  EXPECT_TRUE(std::isnan(w::fold_factor(1.0f, std::nanf(""), 0.5f)));  // NaN row stays NaN
+  EXPECT_TRUE(std::isnan(w::max_nan(1.0f, std::nanf(""))));
+  EXPECT_TRUE(std::isnan(w::max_nan(std::nanf(""), -inf)));
+  EXPECT_EQ(w::max_nan(-inf, 2.0f), 2.0f);
+  // Lane 4 g + 2 i + rh stores row 16 i + 8 rh + g: a bijection onto the unit's 32 rows.
+  std::set<int> rows;
+  for (int lane = 0; lane < 32; ++lane) {
+    const int t = lane & 3;
+    EXPECT_EQ(w::fold_lane_row(lane), 16 * (t >> 1) + 8 * (t & 1) + (lane >> 2));
+    rows.insert(w::fold_lane_row(lane));
+  }
+  EXPECT_EQ(rows.size(), 32u);
+  EXPECT_EQ(w::unit_relative_end(100, 64), 32);
+  EXPECT_EQ(w::unit_relative_end(70, 64), 6);
+  EXPECT_EQ(w::unit_relative_end(10, 64), 0);
 }
 
 }  // namespace

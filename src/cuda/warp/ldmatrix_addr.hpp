@@ -20,17 +20,19 @@ struct smem_coord {
   int col;
 };
 
-/// @brief ldmatrix.x4 of a 16 x 16 A fragment (dense m16n8k16 A; also the compressed sparse A of
-/// mma.sp m16n8k32) from a row-major tile: lanes 0..15 give rows 0..15 at column 0 (matrices 0, 1:
-/// rows 0..7 and 8..15 of columns 0..7), lanes 16..31 the same rows at column 8 (matrices 2, 3).
-DFSS_HD smem_coord ldsm_a16_x4(int lane) { return {lane & 15, 8 * (lane >> 4)}; }
+/// @brief Shared-memory row (0..31, within the unit's 32 rows) where the SDDMM's copy puts key
+/// @p k (0..31) of a unit: keys are stored in accumulator-column order (row s holds key
+/// sddmm16_key_of_column(s)), so every ldmatrix of B reads 8 consecutive rows, which the row padding
+/// spreads over distinct banks (key-order storage with permuted addresses cost a 2-way conflict).
+DFSS_HD int sddmm16_smem_row_of_key(int k) { return sddmm16_column_of_key(k); }
 
-/// @brief ldmatrix.x4 of the SDDMM's K tile (keys x head dim, row-major) for n8 tiles 2 jp and
-/// 2 jp + 1 of a 16-bit unit: matrix m = lane / 8 is n8 tile 2 jp + m / 2, k half m % 2; its row
-/// lane % 8 is the key of accumulator column 8 (2 jp + m / 2) + lane % 8 under the key permutation.
+/// @brief ldmatrix.x4 of the SDDMM's K tile (rows in accumulator-column order, see
+/// sddmm16_smem_row_of_key) for n8 tiles 2 jp and 2 jp + 1 of a 16-bit unit: matrix m = lane / 8 is
+/// n8 tile 2 jp + m / 2, k half m % 2; its row lane % 8 is accumulator column 8 (2 jp + m / 2) +
+/// lane % 8.
 DFSS_HD smem_coord ldsm_sddmm16_b_x4(int lane, int jp) {
   const int m = lane >> 3;
-  return {sddmm16_key_of_column(8 * (2 * jp + (m >> 1)) + (lane & 7)), 8 * (m & 1)};
+  return {8 * (2 * jp + (m >> 1)) + (lane & 7), 8 * (m & 1)};
 }
 
 /// @brief ldmatrix.x4.trans of the B fragment of one mma.sp m16n8k32 from the SpMM's V tile (keys x

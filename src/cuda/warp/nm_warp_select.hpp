@@ -181,8 +181,8 @@ DFSS_HD typename W::u32 meta_quad_exchange(const typename W::u32& b00, const typ
 
 // ---------------------------------------------------------------------------------------------
 // Global layout of the pipeline's intermediates, per (batch, head) slice:
-//   values [rows_padded][keys_padded / 2] (16-bit), row-major: row r, compressed column 2c + slot
-//          holds the slot-th kept score of 4-key group c (the layout of dfss::nm_compress);
+//   values rows_padded x keys_padded / 2 16-bit weights, in the fragment order of softmax_fold.hpp
+//          (fold_value_offset; compressed column 2c + slot is the slot-th kept key of 4-key group c);
 //   meta   [keys_padded / 32][rows_padded] int32, the reordered layout of nm_meta.hpp: the int32 at
 //          (p, 32k + 4g + 2i + h) holds the words of rows 32k + 16i + g (low half) and
 //          32k + 16i + 8 + g (high half) for keys 32p + 16h .. 32p + 16h + 15.
@@ -207,10 +207,6 @@ struct intermediate_layout {
   DFSS_HD std::int64_t value_elems() const { return rows_padded * (keys_padded / 2); }
   /// int32 words of one slice's metadata.
   DFSS_HD std::int64_t meta_words() const { return rows_padded * (keys_padded / 32); }
-  /// Offset of compressed value (row, ccol) within a slice.
-  DFSS_HD std::int64_t value_offset(std::int64_t row, std::int64_t ccol) const {
-    return row * (keys_padded / 2) + ccol;
-  }
   /// Offset of the int32 that lane @p lane of the warp owning rows 32k.. and keys 32p.. stores.
   DFSS_HD std::int64_t meta_offset(std::int64_t row_block, std::int64_t key_block, int lane) const {
     return key_block * rows_padded + 32 * row_block + lane;

@@ -26,6 +26,8 @@
 #include "cuda/warp/mma_fragments.hpp"
 #include "cuda/warp/nm_warp_select.hpp"
 #include "cuda/warp/sddmm_epilogue.hpp"
+#include "cuda/warp/softmax_fold.hpp"
+#include "dfss/mask/visibility.hpp"
 #include "dfss/format.hpp"
 #include "dfss/numeric.hpp"
 
@@ -184,7 +186,7 @@ inline double ulp_at(double x, int bits, int min_exp) {
 
 // ---------------------------------------------------------------------------------------------
 // The per-kernel checks of one (batch, head) slice of the kernels' intermediates, as read back from
-// the device: the SDDMM's values and metadata, the softmax's probabilities and LSE, the SpMM's output.
+// the device: the SDDMM's weights, metadata and maxima; the SpMM's output and LSE.
 
 /// One slice: its sizes, the batch's valid keys, the mask, the pattern and the layout.
 struct slice_case {
@@ -218,125 +220,181 @@ struct check_report {
   }
 };
 
-/// @brief SDDMM: @p scores are the slice's exact, unmasked Q K^T (Lq x Lk, row-major). Expected:
-/// nm_compress of the masked scores, each kept value times scale_log2 in f32 and rounded to nearest
-/// HT (the kernel's own arithmetic), bit for bit; the metadata words of nm_metadata_encode at the
-/// reordered offsets; every nibble of the slice legal. @p idx receives nm_compress's kept keys.
-template <typename HT>
-check_report check_sddmm(const slice_case& c, const std::vector<float>& scores, const HT* values,
-                         const std::uint32_t* meta, std::vector<std::int32_t>& idx) {
-  check_report rep;
-  const cuda::warp::score_mask mask{c.Lq, c.Lk, c.kv, c.causal};
-  std::vector<float> dense(static_cast<std::size_t>(c.Lq * c.Lk));
+/// Keys of row @p r whose units the SDDMM wrote: up to the last key any row of its 128-row CTA
+/// sees, in whole 64-key steps (src/cuda/sddmm_select.cu; units past it hold nothing).
+inline std::int64_t sddmm_written_keys(const slice_case& c, std::int64_t r) {
+  const std::int64_t last = std::min(r / 128 * 128 + 127, c.Lq - 1);
+  return (dfss::mask::visible_end(c.causal, c.Lq, c.Lk, c.kv, last) + 63) / 64 * 64;
+}
+
+/// The slice's scores with the mask applied (-inf where masked), Lq x Lk.
+inline std::vector<float> masked_scores(const slice_case& c, const std::vector<float>& scores) {
+  std::vector<float> dense(scores.size());
   for (std::int64_t r = 0; r < c.Lq; ++r) {
+    const std::int64_t end = dfss::mask::visible_end(c.causal, c.Lq, c.Lk, c.kv, r);
     for (std::int64_t j = 0; j < c.Lk; ++j) {
       const std::size_t at = static_cast<std::size_t>(r * c.Lk + j);
-      dense[at] = mask.visible(r, j) ? scores[at] : -std::numeric_limits<float>::infinity();
+      dense[at] = j < end ? scores[at] : -std::numeric_limits<float>::infinity();
     }
   }
+  return dense;
+}
+
+/// NaN-propagating max, as the kernels' max.NaN.
+inline float max_nan(float a, float b) { return a != a ? a : (b != b ? b : std::max(a, b)); }
+
+/// @brief SDDMM with the first half of the softmax (src/cuda/warp/softmax_fold.hpp). @p scores
+/// are the slice's exact, unmasked Q K^T (Lq x Lk, row-major; small integers, so exact in f32 and
+/// without NaN). Expected, for every unit the kernel wrote: the metadata words of nm_metadata_encode
+/// of nm_compress (the format module, not the kernel's code) at the reordered offsets and every
+/// nibble legal; each row's unit maximum m_t and overall maximum M of its visible scores, bit for
+/// bit (-inf where none); each kept value exp2((s - ref) scale_log2) with ref = m_t (0 when -inf),
+/// computed in fp64 and compared within 1 ulp of HT (@p bits significand bits, smallest normal
+/// exponent @p min_exp): the kernel's ex2.approx is within 2 ulp of f32, far below half an ulp of
+/// HT, so it rounds to the correctly rounded value or its neighbour. @p idx receives nm_compress's
+/// kept keys.
+template <typename HT>
+check_report check_sddmm(const slice_case& c, const std::vector<float>& scores, const HT* values,
+                         const std::uint32_t* meta, const float* tile_max, const float* row_max,
+                         std::vector<std::int32_t>& idx, int bits, int min_exp) {
+  check_report rep;
+  const std::vector<float> dense = masked_scores(c, scores);
   const std::int64_t slots = c.slots();
   std::vector<float> vals(static_cast<std::size_t>(c.Lq * slots));
   idx.assign(vals.size(), 0);
   dfss::nm_compress(dense.data(), c.Lq, c.Lk, c.Lk, c.pat(), vals.data(), idx.data());
-  for (std::int64_t r = 0; r < c.Lq; ++r) {
-    for (std::int64_t s = 0; s < slots; ++s) {
-      const HT want = dfss::from_double<HT>(static_cast<double>(vals[static_cast<std::size_t>(r * slots + s)] * c.scale_log2));
-      const HT got = values[c.lay.value_offset(r, s)];
-      rep.add(want.bits == got.bits ? 0.0 : 1.0, 0.0,
-              "value row " + std::to_string(r) + " slot " + std::to_string(s) + ": got " +
-                  std::to_string(dfss::to_double(got)) + ", want " + std::to_string(dfss::to_double(want)));
-    }
-  }
   const std::int64_t wpr = dfss::nm_metadata_words_per_row(c.Lk, c.fmt());
   std::vector<std::uint16_t> words(static_cast<std::size_t>(c.Lq * wpr));
   dfss::nm_metadata_encode(idx.data(), c.Lq, c.Lk, c.pat(), c.fmt(), words.data());
   for (std::int64_t r = 0; r < c.Lq; ++r) {
-    for (std::int64_t x = 0; x < wpr; ++x) {
+    const std::int64_t written = sddmm_written_keys(c, r);
+    const std::string row = "row " + std::to_string(r);
+    float m_all = -std::numeric_limits<float>::infinity();
+    std::vector<float> m_unit(static_cast<std::size_t>(written / 32), -std::numeric_limits<float>::infinity());
+    for (std::int64_t j = 0; j < std::min(written, c.Lk); ++j) {
+      const float x = dense[static_cast<std::size_t>(r * c.Lk + j)];
+      m_unit[static_cast<std::size_t>(j / 32)] = max_nan(m_unit[static_cast<std::size_t>(j / 32)], x);
+      m_all = max_nan(m_all, x);
+    }
+    const auto same = [](float a, float b) { return (a != a && b != b) || a == b; };
+    for (std::int64_t u = 0; u < written / 32; ++u) {
+      const float got = tile_max[cuda::warp::fold_tile_max_offset(c.lay, r / 32, u, static_cast<int>(r % 32))];
+      rep.add(same(got, m_unit[static_cast<std::size_t>(u)]) ? 0.0 : 1.0, 0.0,
+              row + " unit " + std::to_string(u) + ": tile max " + std::to_string(got) + ", want " +
+                  std::to_string(m_unit[static_cast<std::size_t>(u)]));
+    }
+    rep.add(same(row_max[r], m_all) ? 0.0 : 1.0, 0.0,
+            row + ": row max " + std::to_string(row_max[r]) + ", want " + std::to_string(m_all));
+    for (std::int64_t sl = 0; sl < std::min(slots, written / 2); ++sl) {
+      const float x = vals[static_cast<std::size_t>(r * slots + sl)];
+      const float m = m_unit[static_cast<std::size_t>(sl / 16)];
+      const double ref = std::isinf(m) && m < 0 ? 0.0 : static_cast<double>(m);
+      const double want = std::exp2((static_cast<double>(x) - ref) * static_cast<double>(c.scale_log2));
+      const double got = dfss::to_double(values[cuda::warp::fold_value_index(c.lay, r, sl)]);
+      rep.add(std::fabs(got - want), ulp_at(want, bits, min_exp),
+              row + " slot " + std::to_string(sl) + ": got " + std::to_string(got) + ", want " + std::to_string(want));
+    }
+    for (std::int64_t x = 0; x < std::min(wpr, written / 16); ++x) {
       const std::int64_t o16 = dfss::nm_meta_reordered_offset(r, x, c.lay.rows_padded);
       const std::uint32_t w32 = meta[o16 / 2];
       const std::uint32_t got = (o16 % 2 == 0) ? (w32 & 0xFFFFu) : (w32 >> 16);
-      rep.add(got == words[static_cast<std::size_t>(r * wpr + x)] ? 0.0 : 1.0, 0.0,
-              "metadata row " + std::to_string(r) + " word " + std::to_string(x));
+      rep.add(got == words[static_cast<std::size_t>(r * wpr + x)] ? 0.0 : 1.0, 0.0, row + " metadata word " + std::to_string(x));
     }
   }
-  for (std::int64_t x = 0; x < c.lay.meta_words(); ++x) {
-    for (int q = 0; q < 8; ++q) {
-      rep.add(dfss::is_legal_ordered_nibble((meta[x] >> (4 * q)) & 0xFu) ? 0.0 : 1.0, 0.0,
-              "illegal nibble in metadata int32 " + std::to_string(x));
+  for (std::int64_t rb = 0; rb < c.lay.rows_padded / 32; ++rb) {
+    for (std::int64_t u = 0; u < (rb * 32 < c.Lq ? sddmm_written_keys(c, rb * 32) / 32 : 0); ++u) {
+      for (int lane = 0; lane < 32; ++lane) {
+        const std::uint32_t w32 = meta[c.lay.meta_offset(rb, u, lane)];
+        for (int q = 0; q < 8; ++q) {
+          rep.add(dfss::is_legal_ordered_nibble((w32 >> (4 * q)) & 0xFu) ? 0.0 : 1.0, 0.0,
+                  "illegal nibble in row block " + std::to_string(rb) + " unit " + std::to_string(u));
+        }
+      }
     }
   }
   return rep;
 }
 
-/// @brief Softmax, on the SDDMM's own values @p s_vals, against fp64. The kernel works in f32
-/// (exp2f, an online max / sum) with relative error ~1e-6 over these row lengths, far below half an
-/// ulp of HT (2^-9 bf16, 2^-12 f16), so each stored probability is the correctly rounded fp64 value
-/// or its neighbour: tolerance 1 ulp of HT (@p bits significand bits, smallest normal exponent
-/// @p min_exp) at the fp64 value. LSE = ln 2 (max + log2 sum) in f32: the f32 sum of n terms is
-/// within n 2^-24 relative, the rest a few f32 roundings, so |error| <= n 2^-24 + 2^-22 (|max| + 1);
-/// an empty row (no finite score) must give zeros and LSE -inf. Returns {probabilities, LSE}.
+/// What the SpMM must give for one row, from the SDDMM's own intermediates: the weights
+/// p = round_HT(w round_HT(f)), f = exp2((m_t - M) scale_log2) (0 where m_t = -inf), summed over the
+/// kept keys the row sees, and the tolerance terms of the checks below.
 template <typename HT>
-std::array<check_report, 2> check_softmax(const slice_case& c, const HT* s_vals, const HT* p_vals, const float* lse,
-                                          int bits, int min_exp) {
+struct spmm_row_expect {
+  double sum = 0;           ///< L
+  double sum_ulps = 0;      ///< sum of ulp(p): a weight may be one ulp off (f from ex2.approx)
+  std::int64_t n = 0;       ///< kept keys
+  std::vector<std::pair<std::int64_t, double>> p;  ///< (key, p)
+};
+
+template <typename HT>
+spmm_row_expect<HT> spmm_row(const slice_case& c, const std::vector<std::int32_t>& idx, const HT* values,
+                             const float* tile_max, const float* row_max, std::int64_t r, int bits, int min_exp) {
+  spmm_row_expect<HT> e;
+  const std::int64_t slots = c.slots();
+  const std::int64_t end = dfss::mask::visible_end(c.causal, c.Lq, c.Lk, c.kv, r);
+  const double big_m = static_cast<double>(row_max[r]);
+  for (std::int64_t sl = 0; sl < slots; ++sl) {
+    const std::int64_t key = idx[static_cast<std::size_t>(r * slots + sl)];
+    if (key >= end) continue;  // masked or padding: stored weight 0 (and V zero-filled past kv)
+    const float m_t = tile_max[cuda::warp::fold_tile_max_offset(c.lay, r / 32, sl / 16, static_cast<int>(r % 32))];
+    const double f = std::isinf(m_t) && m_t < 0 ? 0.0 : std::exp2((static_cast<double>(m_t) - big_m) * static_cast<double>(c.scale_log2));
+    const double w = dfss::to_double(values[cuda::warp::fold_value_index(c.lay, r, sl)]);
+    const double p = dfss::to_double(dfss::from_double<HT>(w * dfss::to_double(dfss::from_double<HT>(f))));
+    e.p.emplace_back(key, p);
+    e.sum += p;
+    e.sum_ulps += ulp_at(p, bits, min_exp);
+    ++e.n;
+  }
+  return e;
+}
+
+/// @brief SpMM with the second half of the softmax, on the SDDMM's own intermediates and
+/// nm_compress's kept keys @p idx (the device's metadata when check_sddmm passed): O[r][x] =
+/// sum_j p_j v[key_j][x] / L, L = sum_j p_j (0 rows: O = 0, LSE = -inf), LSE = ln 2 (M scale_log2 +
+/// log2 L). V rows @p v_row elements apart, O rows @p o_row apart, @p d columns. Tolerances: each p
+/// may be one ulp of HT off (the kernel's factor comes from ex2.approx), which moves O by at most
+/// (sum ulp(p) |v| + sum ulp(p) |O|) / L; products of two 16-bit values are exact in f32 and summed
+/// in f32 over n kept keys, |error| <= n 2^-24 sum |p v| with round-to-nearest additions, doubled
+/// since tensor cores may truncate inside an MMA, the same for L; the final division and f32 store
+/// add 2^-23 |O|. LSE: ln(1 + sum ulp(p) / L) <= sum ulp(p) / L, plus 2n 2^-24 for L and 2^-22
+/// (|M scale_log2| + 1) for the f32 products. Returns {O, LSE}.
+template <typename HT>
+std::array<check_report, 2> check_spmm(const slice_case& c, const std::vector<std::int32_t>& idx, const HT* values,
+                                       const float* tile_max, const float* row_max, const HT* v, std::int64_t v_row,
+                                       const float* o, std::int64_t o_row, const float* lse, int d, int bits,
+                                       int min_exp) {
   std::array<check_report, 2> rep;
-  const std::int64_t cols = c.lay.keys_padded / 2;
+  const double f32_sum_unit = std::ldexp(1.0, -24);
   for (std::int64_t r = 0; r < c.Lq; ++r) {
-    const HT* sr = s_vals + c.lay.value_offset(r, 0);
-    const HT* pr = p_vals + c.lay.value_offset(r, 0);
-    double m = -std::numeric_limits<double>::infinity(), sum = 0;
-    for (std::int64_t x = 0; x < cols; ++x) m = std::max(m, dfss::to_double(sr[x]));
-    const bool empty = std::isinf(m);
-    if (!empty) {
-      for (std::int64_t x = 0; x < cols; ++x) sum += std::exp2(dfss::to_double(sr[x]) - m);
-    }
-    for (std::int64_t x = 0; x < cols; ++x) {
-      const double want = empty ? 0.0 : std::exp2(dfss::to_double(sr[x]) - m) / sum;
-      const double got = dfss::to_double(pr[x]);
-      rep[0].add(std::fabs(got - want), ulp_at(want, bits, min_exp),
-                 "row " + std::to_string(r) + " column " + std::to_string(x) + ": got " + std::to_string(got) +
-                     ", want " + std::to_string(want));
+    const spmm_row_expect<HT> e = spmm_row(c, idx, values, tile_max, row_max, r, bits, min_exp);
+    const double nsum = 2.0 * static_cast<double>(std::max<std::int64_t>(e.n, 1)) * f32_sum_unit;
+    for (int x = 0; x < d; ++x) {
+      double num = 0, mag = 0, ulp_v = 0;
+      for (const auto& [key, p] : e.p) {
+        const double vx = key < c.kv ? dfss::to_double(v[key * v_row + x]) : 0.0;
+        num += p * vx;
+        mag += std::fabs(p * vx);
+        ulp_v += ulp_at(p, bits, min_exp) * std::fabs(vx);
+      }
+      const double want = e.sum == 0 ? 0.0 : num / e.sum;
+      const double tol = e.sum == 0 ? 0.0
+                                    : (ulp_v + e.sum_ulps * std::fabs(want) + nsum * (mag + e.sum * std::fabs(want))) / e.sum +
+                                          std::ldexp(1.0, -23) * std::fabs(want);
+      const double got = static_cast<double>(o[r * o_row + x]);
+      rep[0].add(std::fabs(got - want), tol,
+                 "row " + std::to_string(r) + " column " + std::to_string(x) + ": got " + std::to_string(got) + ", want " +
+                     std::to_string(want));
     }
     if (lse == nullptr) continue;
     const double got = static_cast<double>(lse[r]);
-    if (empty) {
+    if (e.sum == 0) {
       rep[1].add(std::isinf(got) && got < 0 ? 0.0 : 1.0, 0.0, "row " + std::to_string(r) + ": want -inf");
     } else {
-      const double want = std::log(2.0) * (m + std::log2(sum));
-      const double tol = static_cast<double>(cols) * std::ldexp(1.0, -24) + std::ldexp(1.0, -22) * (std::fabs(m) + 1);
+      const double mc = static_cast<double>(row_max[r]) * static_cast<double>(c.scale_log2);
+      const double want = std::log(2.0) * (mc + std::log2(e.sum));
+      const double tol = e.sum_ulps / e.sum + nsum + std::ldexp(1.0, -22) * (std::fabs(mc) + 1);
       rep[1].add(std::fabs(got - want), tol,
                  "row " + std::to_string(r) + ": got " + std::to_string(got) + ", want " + std::to_string(want));
-    }
-  }
-  return rep;
-}
-
-/// @brief SpMM, on the softmax's own probabilities @p p_vals and nm_compress's kept keys @p idx (the
-/// device's metadata when check_sddmm passed): O[r][x] = sum over kept keys < kv of p v[key][x], V
-/// rows @p v_row elements apart, O rows @p o_row apart, @p d columns. Products of two 16-bit values
-/// are exact in f32 and summed in f32 over the n kept keys: |error| <= n 2^-24 sum |p v| with
-/// round-to-nearest additions; tensor cores may truncate inside an MMA, so the tolerance doubles it.
-template <typename HT>
-check_report check_spmm(const slice_case& c, const std::vector<std::int32_t>& idx, const HT* p_vals, const HT* v,
-                        std::int64_t v_row, const float* o, std::int64_t o_row, int d) {
-  check_report rep;
-  const std::int64_t slots = c.slots();
-  for (std::int64_t r = 0; r < c.Lq; ++r) {
-    const HT* prow = p_vals + c.lay.value_offset(r, 0);
-    for (int x = 0; x < d; ++x) {
-      double want = 0, mag = 0;
-      std::int64_t n = 0;
-      for (std::int64_t s = 0; s < slots; ++s) {
-        const std::int64_t key = idx[static_cast<std::size_t>(r * slots + s)];
-        if (key >= c.kv) continue;  // padding, or past the batch's length: V is zero-filled there
-        const double t = dfss::to_double(prow[s]) * dfss::to_double(v[key * v_row + x]);
-        want += t;
-        mag += std::fabs(t);
-        ++n;
-      }
-      const double got = static_cast<double>(o[r * o_row + x]);
-      rep.add(std::fabs(got - want), 2.0 * static_cast<double>(std::max<std::int64_t>(n, 1)) * std::ldexp(1.0, -24) * mag,
-              "row " + std::to_string(r) + " column " + std::to_string(x) + ": got " + std::to_string(got) + ", want " +
-                  std::to_string(want));
     }
   }
   return rep;

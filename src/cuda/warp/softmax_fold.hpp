@@ -1,0 +1,187 @@
+// src/cuda/warp/softmax_fold.hpp: the per-lane maths of the two-kernel CUDA pipeline with the
+// softmax folded into the SDDMM and the SpMM, as host+device functions shared by the kernels
+// (src/cuda/sddmm_select.cu, src/cuda/spmm.cu) and the CPU emulation of the whole pipeline
+// (tests/unit/test_cuda_fold.cpp), so the maths CI checks is the maths the GPU runs.
+//
+// The fold (docs/design.md, "The CUDA pipeline"):
+//   SDDMM, per 32 x 32 unit and row r: m_t = max of the row's visible fp32 scores in the unit (a
+//     max that propagates NaN; -inf when the unit masks the whole row), the kept scores s stored as
+//     exp2((s - m_t) * scale log2 e) in T (in [0, 1], so f16 cannot overflow), and m_t itself;
+//     the row's running max M over all its units is stored once at the end.
+//   SpMM, per unit and row: the stored values times f_t = exp2((m_t - M) * scale log2 e) (0 when
+//     m_t = -inf), multiplied by V on the sparse tensor cores, and by a column of ones in the same
+//     MMA, which gives the row sum L of exactly the weights used; O = acc / L, LSE = ln 2 (M scale
+//     log2 e + log2 L). Two exponentials per kept score at most (one here, one per row and unit).
+//   Special rows: a NaN visible score makes m_t and M NaN, hence every weight, O and LSE NaN; a row
+//     with no visible key has L = 0: O = 0, LSE = -inf; +inf makes exp2(inf - inf) = NaN.
+// The selection needs no NaN path: a row with a NaN has NaN output whatever was kept, and this
+// backend does not export the kept set (the fast rule below still yields legal metadata).
+#pragma once
+
+#include <cstdint>
+
+#if !defined(__CUDA_ARCH__)
+#include <cmath>
+#endif
+
+#include "cuda/warp/mma_fragments.hpp"
+#include "cuda/warp/nm_warp_select.hpp"
+#include "cuda/warp/sddmm_epilogue.hpp"
+#include "dfss/config.hpp"
+
+namespace dfss::cuda::warp {
+
+/// max of two floats that is NaN when either is (PTX max.NaN.f32, sm_80+, one instruction).
+DFSS_HD float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  if (a != a) return a;
+  if (b != b) return b;
+  return a > b ? a : b;
+#endif
+}
+
+/// 2^x: ex2.approx.ftz on the device (one MUFU instruction, about 2 ulp; results below 2^-126
+/// flush to 0, below the 16-bit types' smallest normals anyway), std::exp2 on the host.
+DFSS_HD float fold_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return std::exp2(x);
+#endif
+}
+
+/// @brief 2:4 selection of one group without NaN, as nm_select_2of4 ranks (ties to the lower
+/// index): the larger of each pair (w0 of keys 0-1, w1 of keys 2-3) is kept unless the smaller of
+/// the other pair outranks it. 4 compares and 4 selects instead of the generic 6 rankings. Gives
+/// the two kept values in key order and the group's legal 2:4 nibble; with a NaN in @p s the kept
+/// set is unspecified but the nibble is still legal.
+template <typename T>
+DFSS_HD void select_2of4_no_nan(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) {
+  const bool c01 = s[0] >= s[1];  // key 0 outranks key 1 (a tie goes to the lower index)
+  const bool c23 = s[2] >= s[3];
+  const T w0 = c01 ? s[0] : s[1];
+  const T l0 = c01 ? s[1] : s[0];
+  const T w1 = c23 ? s[2] : s[3];
+  const T l1 = c23 ? s[3] : s[2];
+  const bool both0 = l0 >= w1;  // keys 0 and 1 kept: l0 (lower index) outranks w1
+  const bool both1 = l1 > w0;   // keys 2 and 3 kept: l1 (higher index) outranks w0
+  lo = both0 ? s[0] : (both1 ? s[2] : w0);
+  hi = both0 ? s[1] : (both1 ? s[3] : w1);
+  const std::uint32_t winners = (c01 ? 0u : 1u) | (c23 ? 8u : 12u);  // index a | (2 + b) << 2
+  nibble = both0 ? 0x4u : (both1 ? 0xEu : winners);
+}
+
+/// @brief select_unit16 for inputs without NaN (with NaN: legal metadata, unspecified kept set):
+/// the SDDMM's selection. 1:2 keeps key 1 of a pair iff it is strictly greater.
+template <typename T>
+DFSS_HD unit16_selection<T> select_unit16_no_nan(const T (&acc)[2][4][4], int lane, sp_pattern p) {
+  unit16_selection<T> out{};
+  const int t = quad_pos_of(lane);
+DFSS_UNROLL
+  for (int i = 0; i < 2; ++i) {
+DFSS_UNROLL
+    for (int h = 0; h < 2; ++h) {
+DFSS_UNROLL
+      for (int rh = 0; rh < 2; ++rh) {
+        const T s[4] = {acc[i][2 * h][2 * rh], acc[i][2 * h][2 * rh + 1], acc[i][2 * h + 1][2 * rh],
+                        acc[i][2 * h + 1][2 * rh + 1]};
+        T& lo = out.a[i][4 * h + 2 * rh];
+        T& hi = out.a[i][4 * h + 2 * rh + 1];
+        std::uint32_t nibble;
+        if (p == sp_pattern::p1of2) {
+          const bool b0 = s[1] > s[0];
+          const bool b1 = s[3] > s[2];
+          lo = b0 ? s[1] : s[0];
+          hi = b1 ? s[3] : s[2];
+          nibble = (b0 ? 1u : 0u) | (b1 ? 12u : 8u);
+        } else {
+          select_2of4_no_nan(s, lo, hi, nibble);
+        }
+        out.meta_bits[i][h] |= nibble << (16 * rh + 4 * t);
+      }
+    }
+  }
+  return out;
+}
+
+/// @brief Lane @p lane's part of each row maximum of a unit: m[i][rh] = NaN-propagating max of the
+/// lane's 8 scores of row 16 i + 8 rh + g. The row's maximum is the max over its quad.
+template <typename T>
+DFSS_HD void unit16_lane_row_max(const T (&acc)[2][4][4], T (&m)[2][2]) {
+DFSS_UNROLL
+  for (int i = 0; i < 2; ++i) {
+DFSS_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      T x = max_nan(acc[i][0][2 * rh], acc[i][0][2 * rh + 1]);
+DFSS_UNROLL
+      for (int j = 1; j < 4; ++j) x = max_nan(x, max_nan(acc[i][j][2 * rh], acc[i][j][2 * rh + 1]));
+      m[i][rh] = x;
+    }
+  }
+}
+
+/// The reference each stored value is taken against: the row's unit maximum, or 0 when the unit
+/// masks the whole row (m = -inf), so masked scores give exp2(-inf) = 0 rather than NaN.
+DFSS_HD float fold_reference(float m) { return m == neg_inf_f32() ? 0.0f : m; }
+
+/// @brief A stored weight: exp2((s - ref) * scale_log2). The difference is taken in fp32 before
+/// scaling, so huge finite scores stay exact where s * scale_log2 would overflow.
+DFSS_HD float fold_weight(float s, float ref, float scale_log2) { return fold_exp2((s - ref) * scale_log2); }
+
+/// @brief The SpMM's factor of a unit's stored weights for a row: exp2((m_t - M) * scale_log2),
+/// 0 for a unit that masks the whole row (m_t = -inf, also when M = -inf).
+DFSS_HD float fold_factor(float m_t, float row_max, float scale_log2) {
+  return m_t == neg_inf_f32() ? 0.0f : fold_exp2((m_t - row_max) * scale_log2);
+}
+
+/// Row (within the 32 rows of a unit) whose tile maximum lane @p lane stores, and whose factor it
+/// computes in the SpMM: quad position t covers m16 tile t / 2, row half t % 2 of row g.
+DFSS_HD int fold_lane_row(int lane) {
+  const int t = quad_pos_of(lane);
+  return 16 * (t >> 1) + 8 * (t & 1) + group_of(lane);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Intermediates of the folded pipeline, per (batch, head) slice (rows and keys padded as in
+// intermediate_layout):
+//   values    [rows_padded / 32][keys_padded / 32][2][32][8] T: per 32 x 32 unit, lane l's sparse A
+//             fragment of mma.sp m16n8k32 for m16 tile i (the weights, 8 per lane, register order),
+//             so the SDDMM stores and the SpMM loads one 16-byte vector per lane and tile;
+//   meta      intermediate_layout::meta_offset (one word per lane and unit);
+//   tile_max  [rows_padded / 32][keys_padded / 32][32] f32: m_t of each row of each unit;
+//   row_max   [rows_padded] f32: M of each row.
+
+/// Offset (elements) of lane @p lane's fragment of m16 tile @p i in unit (@p row_block, @p key_block).
+DFSS_HD std::int64_t fold_value_offset(const intermediate_layout& l, std::int64_t row_block, std::int64_t key_block,
+                                       int i, int lane) {
+  return (((row_block * (l.keys_padded / 32) + key_block) * 2 + i) * 32 + lane) * 8;
+}
+
+/// @brief Offset (elements) in the values of compressed column @p ccol (2 x 4-key group + slot) of
+/// row @p row: the inverse of the fragment order (mma_sp_a16_coord), for host-side checks.
+DFSS_HD std::int64_t fold_value_index(const intermediate_layout& l, std::int64_t row, std::int64_t ccol) {
+  const int ru = static_cast<int>(row % 32);      // row within the unit
+  const int cu = static_cast<int>(ccol % 16);     // compressed column within the unit (8 groups x 2)
+  const int chunk = cu / 2;                       // 4-key group: t + 4 h
+  const int rr = ru % 16;                         // row within the m16 tile: g + 8 rh
+  const int lane = 4 * (rr % 8) + chunk % 4;
+  const int e = 4 * (chunk / 4) + 2 * (rr / 8) + cu % 2;
+  return fold_value_offset(l, row / 32, ccol / 16, ru / 16, lane) + e;
+}
+
+/// Offset of m_t of row @p row (0..31) of unit (@p row_block, @p key_block).
+DFSS_HD std::int64_t fold_tile_max_offset(const intermediate_layout& l, std::int64_t row_block,
+                                          std::int64_t key_block, int row) {
+  return (row_block * (l.keys_padded / 32) + key_block) * 32 + row;
+}
+
+/// Floats of one slice's tile maxima.
+DFSS_HD std::int64_t fold_tile_max_elems(const intermediate_layout& l) { return l.rows_padded * (l.keys_padded / 32); }
+
+}  // namespace dfss::cuda::warp

@@ -1,4 +1,5 @@
-// The CUDA backend's forward: argument checks and the three-kernel pipeline (see pipeline.cuh).
+// The CUDA backend's forward: argument checks, the intermediates' workspace (a dfss-owned
+// stream-ordered pool), error attribution, and the three-kernel pipeline (see pipeline.cuh).
 #include "cuda/attention_cuda.hpp"
 
 #include <cuda_bf16.h>
@@ -7,10 +8,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cuda/pipeline.cuh"
+#include "cuda/workspace.hpp"
 
 namespace dfss::cuda {
 namespace {
@@ -20,18 +25,31 @@ using i64 = std::int64_t;
 // CUDA's limit on gridDim.y and gridDim.z: batch * heads is a grid dimension of every kernel.
 constexpr i64 kMaxGridYZ = 65535;
 
-std::string pointer_reason(const char* name, const void* ptr) {
+std::string runtime_error_text(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
+
+/// Why @p ptr cannot be read by kernels running on @p device (empty when it can): it must be device
+/// memory of that very device, or managed memory. Memory of another device would be reached, if at
+/// all, over peer access at a fraction of the bandwidth, or fault; the caller selects the device
+/// (cudaSetDevice, torch.cuda.device) and dfss runs there.
+std::string pointer_reason(const char* name, const void* ptr, int device) {
   if (ptr == nullptr) return "";
   cudaPointerAttributes attr{};
   const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the error so it does not leak into the caller's next CUDA call
     return std::string("the CUDA backend needs '") + name + "' in CUDA device memory, but the CUDA runtime " +
-           "could not inspect the pointer: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+           "could not inspect the pointer: " + runtime_error_text(e);
   }
   if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
     return std::string("the CUDA backend needs '") + name +
            "' in CUDA device (or managed) memory, got a host pointer";
+  }
+  if (attr.type == cudaMemoryTypeDevice && attr.device != device) {
+    return std::string("the CUDA backend needs '") + name + "' on the current CUDA device " + std::to_string(device) +
+           " (the kernels run there), got memory of device " + std::to_string(attr.device) +
+           ": make that device current (cudaSetDevice) or move the tensor";
   }
   return "";
 }
@@ -78,10 +96,105 @@ cudaError_t launch_all(const pipeline_args& a, const attention_params& p, cudaSt
   return p.head_dim == 64 ? launch_spmm<T, 64>(a, s) : launch_spmm<T, 128>(a, s);
 }
 
-status cuda_failure(const char* step, cudaError_t e) {
-  return {status_code::cuda_error, std::string("dfss::attention_forward (cuda): ") + step + ": " +
-                                       cudaGetErrorName(e) + ": " + cudaGetErrorString(e)};
+/// Errors that the CUDA runtime reports asynchronously, at a later call, once a kernel has faulted;
+/// they are sticky (every later call returns them). A launch that returns one did not cause it:
+/// some earlier kernel on the device did, ours or the caller's.
+bool asynchronous_error(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
 }
+
+status cuda_failure(const char* step, cudaError_t e) {
+  std::string msg = std::string("dfss::attention_forward (cuda): ") + step + ": " + runtime_error_text(e);
+  if (asynchronous_error(e)) {
+    msg += " (an asynchronous, sticky error: a kernel that ran earlier on this device faulted, which may be "
+           "one of dfss's or one of the caller's; the CUDA context is unusable from here on)";
+  }
+  return {status_code::cuda_error, std::move(msg)};
+}
+
+/// The dfss-owned memory pool of @p device, created at first use and kept for the process's
+/// lifetime (destroying it at exit could run after the driver has unloaded). Its release threshold
+/// is unlimited: memory freed at the end of a call stays mapped in the pool and serves the next call,
+/// instead of going back to the OS at every synchronisation (what the default pool does, whose
+/// threshold is 0) and being mapped again. The pool thus holds the largest concurrent intermediates
+/// of the calls so far. It is dfss's own, so the caller's default pool keeps its own settings.
+cudaError_t workspace_pool(int device, cudaMemPool_t& pool) {
+  static std::mutex mutex;
+  static std::vector<cudaMemPool_t> pools;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<std::size_t>(device) >= pools.size()) pools.resize(static_cast<std::size_t>(device) + 1, nullptr);
+  cudaMemPool_t& slot = pools[static_cast<std::size_t>(device)];
+  if (slot == nullptr) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t created = nullptr;
+    cudaError_t e = cudaMemPoolCreate(&created, &props);
+    if (e != cudaSuccess) return e;
+    std::uint64_t keep_all = std::numeric_limits<std::uint64_t>::max();
+    e = cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep_all);
+    if (e != cudaSuccess) {
+      cudaMemPoolDestroy(created);
+      return e;
+    }
+    slot = created;
+  }
+  pool = slot;
+  return cudaSuccess;
+}
+
+/// The intermediates of one call, in one stream-ordered block from workspace_pool: acquire places
+/// every request (workspace_layout) and points it into the block, release frees the block in stream
+/// order after the kernels that use it.
+class stream_workspace {
+ public:
+  status acquire(const workspace_request* req, std::size_t n, int device, cudaStream_t stream) {
+    const workspace_plan plan = workspace_layout(req, n);
+    if (!plan.error.empty()) return {status_code::unsupported, "dfss::attention_forward (cuda): " + plan.error};
+    cudaMemPool_t pool = nullptr;
+    cudaError_t e = workspace_pool(device, pool);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // reported in the status: not left for the caller's next check to find
+      return cuda_failure("creating dfss's stream-ordered memory pool", e);
+    }
+    e = cudaMallocFromPoolAsync(&block_, plan.total_bytes > 0 ? plan.total_bytes : 1, pool, stream);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      block_ = nullptr;
+      return cuda_failure(("cudaMallocFromPoolAsync of the intermediates (" + std::to_string(plan.total_bytes) +
+                           " bytes)").c_str(),
+                          e);
+    }
+    workspace_assign(req, n, plan, block_);
+    return status::success();
+  }
+  cudaError_t release(cudaStream_t stream) {
+    if (block_ == nullptr) return cudaSuccess;
+    const cudaError_t e = cudaFreeAsync(block_, stream);
+    block_ = nullptr;
+    if (e != cudaSuccess) cudaGetLastError();
+    return e;
+  }
+
+ private:
+  void* block_ = nullptr;
+};
 
 }  // namespace
 
@@ -113,9 +226,15 @@ std::string forward_unsupported_reason(const attention_params& p) {
     r = p.o_type == dtype::f32 ? view_reason("out", p.o, p.o_stride, 2, 8) : view_reason("out", p.o, p.o_stride, 2, 4);
   }
   if (!r.empty()) return r;
+  int device = 0;
+  const cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return "the CUDA backend could not read the current CUDA device: " + runtime_error_text(e);
+  }
   for (const auto& [name, ptr] : {std::pair<const char*, const void*>{"q", p.q}, {"k", p.k}, {"v", p.v},
                                   {"out", p.o}, {"lse", p.lse}, {"key_lengths", p.key_lengths}}) {
-    r = pointer_reason(name, ptr);
+    r = pointer_reason(name, ptr, device);
     if (!r.empty()) return r;
   }
   return "";
@@ -156,23 +275,65 @@ status attention_forward(const attention_params& p, void* stream_ptr) {
   // Lk = 0 still runs one (fully masked) key tile, so every row gets zeros and LSE -inf.
   a.layout = warp::intermediate_layout::make(p.seqlen_q, p.seqlen_k > 0 ? p.seqlen_k : 1);
   const i64 slices = p.batch * p.heads;
-  const std::size_t value_bytes = static_cast<std::size_t>(slices * a.layout.value_elems()) * 2;
-  const std::size_t meta_bytes = static_cast<std::size_t>(slices * a.layout.meta_words()) * 4;
-  cudaError_t e = cudaMallocAsync(&a.values, value_bytes, stream);
-  if (e != cudaSuccess) return cuda_failure("cudaMallocAsync of the compressed values", e);
-  e = cudaMallocAsync(reinterpret_cast<void**>(&a.meta), meta_bytes, stream);
+  // The intermediates, one slice per (batch, head): one row each (values are 16-bit, T).
+  const workspace_request intermediates[] = {
+      workspace_entry("compressed values", slices * a.layout.value_elems(), 2, a.values),
+      workspace_entry("metadata", slices * a.layout.meta_words(), sizeof(std::uint32_t), a.meta),
+  };
+
+  // An error already pending here was left by earlier CUDA work that nobody checked: our first
+  // launch's cudaGetLastError would return it and blame our kernel. So nothing is launched, the
+  // status says where it comes from, and it is left pending (peeked, not cleared), so the caller's own
+  // checks still see it. A sticky error (a kernel faulted) is found here too, and may come from any
+  // kernel that ran before, dfss's included.
+  cudaError_t e = cudaPeekAtLastError();
   if (e != cudaSuccess) {
-    cudaFreeAsync(a.values, stream);
-    return cuda_failure("cudaMallocAsync of the metadata", e);
+    return {status_code::cuda_error,
+            "dfss::attention_forward (cuda): a CUDA error was already pending before dfss launched anything: " +
+                runtime_error_text(e) +
+                (asynchronous_error(e)
+                     ? "; a sticky error: a kernel that ran earlier on this device faulted, and the CUDA context is "
+                       "unusable from here on"
+                     : "; it was left by earlier CUDA work of the caller that was not checked") +
+                ". Nothing was launched, and the error is left pending as found (cudaGetLastError clears it)"};
   }
+  int device = 0;
+  e = cudaGetDevice(&device);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_failure("cudaGetDevice", e);
+  }
+#if CUDART_VERSION >= 12080
+  // A stream of another device: the launches would fail with an invalid resource handle, or, for the
+  // pool, allocate on the wrong device. The special handles (legacy, per-thread) follow the current
+  // device.
+  if (stream != nullptr && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
+    int stream_device = 0;
+    e = cudaStreamGetDevice(stream, &stream_device);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return {status_code::invalid_argument,
+              "dfss::attention_forward (cuda): argument 'cuda_stream': expected a CUDA stream, but the runtime "
+              "cannot read its device: " + runtime_error_text(e)};
+    }
+    if (stream_device != device) {
+      return {status_code::invalid_argument,
+              "dfss::attention_forward (cuda): argument 'cuda_stream': expected a stream of the current device " +
+                  std::to_string(device) + ", got a stream of device " + std::to_string(stream_device)};
+    }
+  }
+#endif
+
+  stream_workspace ws;
+  status st = ws.acquire(intermediates, sizeof(intermediates) / sizeof(intermediates[0]), device, stream);
+  if (!st.ok()) return st;
   const char* step = "";
   e = p.input_type == dtype::bf16 ? launch_all<__nv_bfloat16>(a, p, stream, step)
                                   : launch_all<__half>(a, p, stream, step);
-  const cudaError_t f1 = cudaFreeAsync(a.meta, stream);
-  const cudaError_t f2 = cudaFreeAsync(a.values, stream);
+  // Freed in stream order even after a failed launch: the kernels enqueued before it still use it.
+  const cudaError_t f = ws.release(stream);
   if (e != cudaSuccess) return cuda_failure(step, e);
-  if (f1 != cudaSuccess) return cuda_failure("cudaFreeAsync of the metadata", f1);
-  if (f2 != cudaSuccess) return cuda_failure("cudaFreeAsync of the compressed values", f2);
+  if (f != cudaSuccess) return cuda_failure("cudaFreeAsync of the intermediates", f);
   return status::success();
 }
 

@@ -126,6 +126,9 @@ status cuda_failure(const char* step, cudaError_t e) {
   return {status_code::cuda_error, std::move(msg)};
 }
 
+std::mutex pool_mutex;
+std::vector<cudaMemPool_t> pools;  // by device; null until first use
+
 /// The dfss-owned memory pool of @p device, created at first use and kept for the process's
 /// lifetime (destroying it at exit could run after the driver has unloaded). Its release threshold
 /// is unlimited: memory freed at the end of a call stays mapped in the pool and serves the next call,
@@ -133,9 +136,7 @@ status cuda_failure(const char* step, cudaError_t e) {
 /// threshold is 0) and being mapped again. The pool thus holds the largest concurrent intermediates
 /// of the calls so far. It is dfss's own, so the caller's default pool keeps its own settings.
 cudaError_t workspace_pool(int device, cudaMemPool_t& pool) {
-  static std::mutex mutex;
-  static std::vector<cudaMemPool_t> pools;
-  const std::lock_guard<std::mutex> lock(mutex);
+  const std::lock_guard<std::mutex> lock(pool_mutex);
   if (static_cast<std::size_t>(device) >= pools.size()) pools.resize(static_cast<std::size_t>(device) + 1, nullptr);
   cudaMemPool_t& slot = pools[static_cast<std::size_t>(device)];
   if (slot == nullptr) {
@@ -335,6 +336,23 @@ status attention_forward(const attention_params& p, void* stream_ptr) {
   if (e != cudaSuccess) return cuda_failure(step, e);
   if (f != cudaSuccess) return cuda_failure("cudaFreeAsync of the intermediates", f);
   return status::success();
+}
+
+std::size_t workspace_pool_reserved_bytes() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  const std::lock_guard<std::mutex> lock(pool_mutex);
+  if (static_cast<std::size_t>(device) >= pools.size() || pools[static_cast<std::size_t>(device)] == nullptr) return 0;
+  std::uint64_t reserved = 0;
+  if (cudaMemPoolGetAttribute(pools[static_cast<std::size_t>(device)], cudaMemPoolAttrReservedMemCurrent, &reserved) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return static_cast<std::size_t>(reserved);
 }
 
 }  // namespace dfss::cuda

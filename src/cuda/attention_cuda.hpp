@@ -3,6 +3,7 @@
 // DFSS_HAVE_CUDA.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "dfss/error.hpp"
@@ -30,5 +31,9 @@ std::string forward_kernel_name(const attention_params& p);
 /// except for sticky asynchronous errors, which the message says may come from earlier kernels.
 /// Precondition: forward_unsupported_reason(p) is empty.
 status attention_forward(const attention_params& p, void* stream);
+
+/// @brief Bytes the dfss-owned workspace pool of the current device holds mapped (0 before its first
+/// use); for the tests, which check that the intermediates stay mapped between calls.
+std::size_t workspace_pool_reserved_bytes();
 
 }  // namespace dfss::cuda

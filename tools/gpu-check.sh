@@ -73,13 +73,14 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
 fi
 echo "gpu-check: tests and sanitizers done at $(elapsed) s"
 
-# 4. Benchmarks: DFSS vs dense cuBLAS pipeline, then PyTorch SDPA on the same grid.
+# 4. Benchmarks: DFSS vs dense cuBLAS pipeline, then PyTorch SDPA (each backend forced) on the same grid.
 grid=all
 if [ $quick -eq 1 ]; then grid=smoke; fi
 bench_rc=0
 timeout 120 build-gpu/bench/cuda/dfss_bench_cuda --grid "$grid" --warmup 5 --iters 20 \
-  --json "$logdir/bench.json" >"$logdir/bench.log" 2>&1 || bench_rc=$?
-timeout 60 python3 tools/bench/cuda_sdpa.py --grid "$grid" --warmup 5 --iters 20 >"$logdir/sdpa.log" 2>&1 || true
+  --json "$logdir/bench.json" --markdown "$logdir/bench.md" >"$logdir/bench.log" 2>&1 || bench_rc=$?
+timeout 90 python3 tools/gpu/sdpa_backends.py --grid "$grid" --warmup 5 --iters 20 --json "$logdir/sdpa.json" \
+  --markdown "$logdir/sdpa.md" >"$logdir/sdpa.log" 2>&1 || true
 
 echo
 echo "==================== gpu-check summary ($(elapsed) s) ===================="

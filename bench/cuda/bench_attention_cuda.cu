@@ -1,13 +1,18 @@
-// dfss_bench_cuda: the DFSS three-kernel pipeline (SDDMM + N:M selection, compressed softmax, mma.sp
-// SpMM) against the dense unfused pipeline the paper compared with (cuBLAS strided-batched GEMM +
-// softmax kernel + GEMM), in one run, with per-kernel times from CUDA events. PyTorch SDPA is timed
-// by tools/bench/cuda_sdpa.py on the same grid (tools/gpu-check.sh prints both).
+// dfss_bench_cuda: the DFSS two-kernel pipeline (SDDMM + N:M selection + first half of the softmax,
+// mma.sp SpMM + second half), raw launches and through the public API (dfss::attention_forward), against the dense
+// unfused pipeline the paper compared with (cuBLAS strided-batched GEMM + softmax kernel + GEMM), in
+// one run. PyTorch SDPA, each backend forced, is timed by tools/gpu/sdpa_backends.py on the same grid.
 //
-// Grid (--grid): "artifact" = the original DFSS benchmark.py (bf16, 4 heads, d = 64, L = 256..4096,
-// batch 48, 24 at L = 4096, no mask); "bert" = BERT-large shapes (bf16, 16 heads, d = 64, L = 384,
-// batch 32, key padding with lengths drawn from [192, 384]); "all" = both; "smoke" = one small shape.
-// Inputs are [B, H, L, d] packed, the layout cuBLAS's batched GEMM wants, passed to the DFSS
-// kernels through their strides.
+// Fairness: the dense pipeline's softmax is the kernel the DFSS pipeline itself used before its
+// softmax was folded into its two kernels (one warp per row, 16-byte vectors, an online max / sum
+// pass then a write pass, scores in the base-2 domain: the dense GEMM gets alpha = scale * log2 e);
+// the DFSS pipeline's middle stage is empty. Each stage is also reported on its own. Every time is a median over the timed iterations
+// after untimed warm-up ones; FLOP and byte conventions are in bench_metrics.hpp.
+//
+// Grid (--grid, bench_metrics.hpp): "artifact" = the original DFSS benchmark.py (bf16, 4 heads,
+// d = 64, L = 256..4096); "bert" = BERT-large shapes with key padding; "all" = both; "smoke" = one
+// small shape. Inputs are [B, H, L, d] packed, the layout cuBLAS's batched GEMM wants, passed to the
+// DFSS kernels and to the API through their strides.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -21,15 +26,18 @@
 #include <string>
 #include <vector>
 
+#include "bench_metrics.hpp"
 #include "cuda/pipeline.cuh"
 #include "cuda/ptx.cuh"
 #include "cuda/warp/softmax_fold.hpp"
+#include "dfss/dfss.hpp"
 
 namespace {
 
 using i64 = std::int64_t;
 using bf16 = __nv_bfloat16;
 namespace dc = dfss::cuda;
+namespace db = dfss::bench;
 
 #define CHECK_CUDA(expr)                                                                                \
   do {                                                                                                  \
@@ -49,67 +57,89 @@ namespace dc = dfss::cuda;
     }                                                                                    \
   } while (0)
 
-struct shape {
-  const char* grid;
-  i64 B, H, L, d;
-  bool key_padding;
+// The dense softmax, written as the DFSS pipeline's own compressed softmax kernel was before the
+// softmax was folded into the SDDMM and the SpMM (src/cuda/warp/softmax_fold.hpp): one warp per row
+// of S [rows][L] (bf16, in place), 16-byte vectors, an online max / sum pass and a write pass. S is already in the base-2 domain (the GEMM's alpha is scale * log2 e), as the DFSS
+// SDDMM's output is; keys at or past the batch's length are masked here (the DFSS SDDMM writes -inf
+// for them). Rows without a visible key get zeros, as in the DFSS kernel.
+constexpr int kSoftmaxThreads = 128;  // 4 rows per CTA: small CTAs spread short problems over all SMs
+constexpr int kSoftmaxRowsPerCta = kSoftmaxThreads / 32;
+constexpr int kSoftmaxVec = 8;  // one 16-byte load of bf16 per lane
+
+struct online_sum {
+  float m;  // running max (-inf: nothing visible yet)
+  float s;  // sum of exp2(x - m)
 };
 
-// Dense softmax over rows of S [rows][L] (bf16, in place) with the scale and a key-padding length
-// per batch; one warp per row, as the DFSS compressed softmax, so the two differ only in row length.
-__global__ void dense_softmax_kernel(bf16* s, i64 rows_per_bh, i64 heads, i64 L, const std::int32_t* lens,
-                                     float scale_log2) {
+__device__ __forceinline__ online_sum combine(online_sum x, online_sum y) {
+  const float m = fmaxf(x.m, y.m);
+  if (m == -INFINITY) return {m, 0.0f};
+  return {m, x.s * exp2f(x.m - m) + y.s * exp2f(y.m - m)};
+}
+
+__global__ void __launch_bounds__(kSoftmaxThreads)
+    dense_softmax_kernel(bf16* s, i64 rows_per_bh, i64 heads, i64 L, const std::int32_t* lens) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const i64 row = static_cast<i64>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  const i64 row = static_cast<i64>(blockIdx.x) * kSoftmaxRowsPerCta + (threadIdx.x >> 5);
   const i64 bh = blockIdx.y;
   if (row >= rows_per_bh) return;
   const i64 len = lens != nullptr ? lens[bh / heads] : L;
   bf16* p = s + (bh * rows_per_bh + row) * L;
-  float m = -INFINITY;
-  for (i64 c = lane * 8; c < L; c += 256) {
+  online_sum acc{-INFINITY, 0.0f};
+  for (i64 c = static_cast<i64>(lane) * kSoftmaxVec; c < L; c += 32 * kSoftmaxVec) {
     const uint4 raw = *reinterpret_cast<const uint4*>(p + c);
     const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
     for (int u = 0; u < 4; ++u) {
       const float2 f = dc::ptx::elem<bf16>::unpack(w[u]);
-      if (c + 2 * u < len) m = fmaxf(m, f.x);
-      if (c + 2 * u + 1 < len) m = fmaxf(m, f.y);
+      const float x0 = c + 2 * u < len ? f.x : -INFINITY;
+      const float x1 = c + 2 * u + 1 < len ? f.y : -INFINITY;
+      acc = combine(acc, {x0, x0 == -INFINITY ? 0.0f : 1.0f});
+      acc = combine(acc, {x1, x1 == -INFINITY ? 0.0f : 1.0f});
     }
   }
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  float sum = 0.0f;
-  for (i64 c = lane * 8; c < L; c += 256) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p + c);
-    const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-    for (int u = 0; u < 4; ++u) {
-      const float2 f = dc::ptx::elem<bf16>::unpack(w[u]);
-      if (c + 2 * u < len) sum += exp2f((f.x - m) * scale_log2);
-      if (c + 2 * u + 1 < len) sum += exp2f((f.y - m) * scale_log2);
-    }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const online_sum other{__shfl_xor_sync(0xffffffffu, acc.m, off), __shfl_xor_sync(0xffffffffu, acc.s, off)};
+    acc = combine(acc, other);
   }
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  for (i64 c = lane * 8; c < L; c += 256) {
+  const bool empty = acc.s == 0.0f;
+  const float inv = empty ? 0.0f : 1.0f / acc.s;
+  const float m = empty ? 0.0f : acc.m;
+  for (i64 c = static_cast<i64>(lane) * kSoftmaxVec; c < L; c += 32 * kSoftmaxVec) {
     uint4 raw = *reinterpret_cast<const uint4*>(p + c);
     std::uint32_t* w = reinterpret_cast<std::uint32_t*>(&raw);
+#pragma unroll
     for (int u = 0; u < 4; ++u) {
       const float2 f = dc::ptx::elem<bf16>::unpack(w[u]);
-      const float x0 = c + 2 * u < len ? exp2f((f.x - m) * scale_log2) * inv : 0.0f;
-      const float x1 = c + 2 * u + 1 < len ? exp2f((f.y - m) * scale_log2) * inv : 0.0f;
+      const float x0 = c + 2 * u < len ? exp2f(f.x - m) * inv : 0.0f;
+      const float x1 = c + 2 * u + 1 < len ? exp2f(f.y - m) * inv : 0.0f;
       w[u] = dc::ptx::elem<bf16>::pack(x0, x1);
     }
     *reinterpret_cast<uint4*>(p + c) = raw;
   }
 }
 
-struct timing {
-  double k1 = 0, k2 = 0, k3 = 0;  // ms per call
-  double total() const { return k1 + k2 + k3; }
+/// Samples (ms) of one timed method: per-call totals and, for staged ones, per-stage times.
+struct samples {
+  std::vector<double> total, stage[3];
+  db::result summarize(const std::string& method, const db::counts& c, bool staged) const {
+    db::result r;
+    r.method = method;
+    r.c = c;
+    r.has_stages = staged;
+    r.ms = db::median(total);
+    if (staged) {
+      for (int i = 0; i < 3; ++i) r.stage_ms[i] = db::median(stage[i]);
+    }
+    return r;
+  }
 };
 
-// Runs the three stages `iters` times after `warmup` untimed rounds; stage times are the mean of
-// event-to-event times (events sit between the stages, so nothing else is measured).
+/// Runs the three stages `iters` times after `warmup` untimed rounds, with events between the
+/// stages (so nothing else is measured) and a synchronisation per iteration.
 template <typename F1, typename F2, typename F3>
-timing time_three(F1 f1, F2 f2, F3 f3, int warmup, int iters, cudaStream_t s) {
+samples time_three(F1 f1, F2 f2, F3 f3, int warmup, int iters, cudaStream_t s) {
   cudaEvent_t ev[4];
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
   for (int i = 0; i < warmup; ++i) {
@@ -117,7 +147,8 @@ timing time_three(F1 f1, F2 f2, F3 f3, int warmup, int iters, cudaStream_t s) {
     f2();
     f3();
   }
-  timing t;
+  CHECK_CUDA(cudaStreamSynchronize(s));
+  samples t;
   for (int i = 0; i < iters; ++i) {
     CHECK_CUDA(cudaEventRecord(ev[0], s));
     f1();
@@ -127,17 +158,37 @@ timing time_three(F1 f1, F2 f2, F3 f3, int warmup, int iters, cudaStream_t s) {
     f3();
     CHECK_CUDA(cudaEventRecord(ev[3], s));
     CHECK_CUDA(cudaEventSynchronize(ev[3]));
-    float a = 0, b = 0, c = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&a, ev[0], ev[1]));
-    CHECK_CUDA(cudaEventElapsedTime(&b, ev[1], ev[2]));
-    CHECK_CUDA(cudaEventElapsedTime(&c, ev[2], ev[3]));
-    t.k1 += a;
-    t.k2 += b;
-    t.k3 += c;
+    float ms[4] = {0, 0, 0, 0};
+    for (int k = 0; k < 3; ++k) {
+      CHECK_CUDA(cudaEventElapsedTime(&ms[k], ev[k], ev[k + 1]));
+      t.stage[k].push_back(ms[k]);
+    }
+    CHECK_CUDA(cudaEventElapsedTime(&ms[3], ev[0], ev[3]));
+    t.total.push_back(ms[3]);
   }
-  t.k1 /= iters;
-  t.k2 /= iters;
-  t.k3 /= iters;
+  for (auto& e : ev) CHECK_CUDA(cudaEventDestroy(e));
+  return t;
+}
+
+/// Times one call of @p f per iteration (events around it, synchronised), after `warmup` calls. For
+/// the public API this includes its host-side work (argument checks, pointer queries, the workspace
+/// allocation): the GPU idles during it, between the two events.
+template <typename F>
+samples time_call(F f, int warmup, int iters, cudaStream_t s) {
+  cudaEvent_t ev[2];
+  for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
+  for (int i = 0; i < warmup; ++i) f();
+  CHECK_CUDA(cudaStreamSynchronize(s));
+  samples t;
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(ev[0], s));
+    f();
+    CHECK_CUDA(cudaEventRecord(ev[1], s));
+    CHECK_CUDA(cudaEventSynchronize(ev[1]));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+    t.total.push_back(ms);
+  }
   for (auto& e : ev) CHECK_CUDA(cudaEventDestroy(e));
   return t;
 }
@@ -149,8 +200,26 @@ void check(cudaError_t e, const char* what) {
   }
 }
 
-void run_shape(const shape& sh, int warmup, int iters, cublasHandle_t blas, cudaStream_t s, std::FILE* json,
-               bool& first_json) {
+/// The methods of one shape, in report order, with their counts (times filled in by run_shape).
+std::vector<db::result> planned_results(const db::shape& sh) {
+  std::vector<db::result> r(5);
+  r[0].method = "dfss_2of4_kernels";
+  r[0].c = db::dfss_counts(sh, 2, 4);
+  r[0].has_stages = true;
+  r[1].method = "dfss_2of4_api";
+  r[1].c = r[0].c;
+  r[2].method = "dfss_1of2_kernels";
+  r[2].c = db::dfss_counts(sh, 1, 2);
+  r[2].has_stages = true;
+  r[3].method = "dfss_1of2_api";
+  r[3].c = r[2].c;
+  r[4].method = "dense_cublas";
+  r[4].c = db::dense_counts(sh);
+  r[4].has_stages = true;
+  return r;
+}
+
+std::vector<db::result> run_shape(const db::shape& sh, int warmup, int iters, cublasHandle_t blas, cudaStream_t s) {
   const i64 BH = sh.B * sh.H, L = sh.L, d = sh.d;
   const std::size_t n = static_cast<std::size_t>(BH * L * d);
   std::vector<bf16> h(n);
@@ -174,7 +243,8 @@ void run_shape(const shape& sh, int warmup, int iters, cublasHandle_t blas, cuda
     CHECK_CUDA(cudaMalloc(&lens, hl.size() * 4));
     CHECK_CUDA(cudaMemcpy(lens, hl.data(), hl.size() * 4, cudaMemcpyHostToDevice));
   }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
 
   // DFSS pipeline arguments: [B, H, L, d] packed means stride (b, l, h) = (H L d, d, L d).
   dc::pipeline_args a{};
@@ -191,7 +261,7 @@ void run_shape(const shape& sh, int warmup, int iters, cublasHandle_t blas, cuda
   a.key_lengths = lens;
   a.key_lengths_i32 = true;
   a.key_lengths_stride = 1;
-  a.scale_log2 = scale * 1.4426950408889634f;
+  a.scale_log2 = scale_log2;
   a.layout = dfss::cuda::warp::intermediate_layout::make(L, L);
   CHECK_CUDA(cudaMalloc(&a.values, static_cast<std::size_t>(BH * a.layout.value_elems()) * 2));
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&a.meta), static_cast<std::size_t>(BH * a.layout.meta_words()) * 4));
@@ -199,53 +269,67 @@ void run_shape(const shape& sh, int warmup, int iters, cublasHandle_t blas, cuda
                         static_cast<std::size_t>(BH * dfss::cuda::warp::fold_tile_max_elems(a.layout)) * 4));
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&a.row_max), static_cast<std::size_t>(BH * a.layout.rows_padded) * 4));
 
-  namespace w = dfss::cuda::warp;
-  const timing t24 = time_three([&] { check(dc::launch_sddmm_select<bf16, 64, w::sp_pattern::p2of4>(a, s), "sddmm"); },
-                                [] {},
-                                [&] { check(dc::launch_spmm<bf16, 64>(a, s), "spmm"); }, warmup, iters, s);
-  const timing t12 = time_three([&] { check(dc::launch_sddmm_select<bf16, 64, w::sp_pattern::p1of2>(a, s), "sddmm"); },
-                                [] {},
-                                [&] { check(dc::launch_spmm<bf16, 64>(a, s), "spmm"); }, warmup, iters, s);
-  // Dense: S^T (col-major Lk x Lq) = K Q^T; O^T (col-major d x Lq) = V^T P^T.
-  const float one = 1.0f, zero = 0.0f;
-  const timing td = time_three(
-      [&] {
-        CHECK_CUBLAS(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L), static_cast<int>(L),
-                                                static_cast<int>(d), &one, k, CUDA_R_16BF, static_cast<int>(d), L * d, q,
-                                                CUDA_R_16BF, static_cast<int>(d), L * d, &zero, sdense, CUDA_R_16BF,
-                                                static_cast<int>(L), L * L, static_cast<int>(BH), CUBLAS_COMPUTE_32F,
-                                                CUBLAS_GEMM_DEFAULT));
-      },
-      [&] {
-        dense_softmax_kernel<<<dim3(static_cast<unsigned>((L + 3) / 4), static_cast<unsigned>(BH)), 128, 0, s>>>(
-            sdense, L, sh.H, L, lens, scale * 1.4426950408889634f);
-        check(cudaGetLastError(), "dense softmax");
-      },
-      [&] {
-        CHECK_CUBLAS(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(d), static_cast<int>(L),
-                                                static_cast<int>(L), &one, v, CUDA_R_16BF, static_cast<int>(d), L * d,
-                                                sdense, CUDA_R_16BF, static_cast<int>(L), L * L, &zero, o, CUDA_R_16BF,
-                                                static_cast<int>(d), L * d, static_cast<int>(BH), CUBLAS_COMPUTE_32F,
-                                                CUBLAS_GEMM_DEFAULT));
-      },
-      warmup, iters, s);
+  // The same problem through the public API (the same memory seen as [B, L, H, d] by strides).
+  dfss::forward_args fa;
+  fa.q = dfss::make_strided_view(reinterpret_cast<dfss::bfloat16*>(q), {sh.B, L, sh.H, d}, {st[0], st[1], st[2], 1});
+  fa.k = dfss::make_strided_view(reinterpret_cast<dfss::bfloat16*>(k), {sh.B, L, sh.H, d}, {st[0], st[1], st[2], 1});
+  fa.v = dfss::make_strided_view(reinterpret_cast<dfss::bfloat16*>(v), {sh.B, L, sh.H, d}, {st[0], st[1], st[2], 1});
+  fa.out = dfss::make_strided_view(reinterpret_cast<dfss::bfloat16*>(o), {sh.B, L, sh.H, d}, {st[0], st[1], st[2], 1});
+  if (lens != nullptr) fa.key_lengths = dfss::make_view(lens, {sh.B});
+  auto api_call = [&](dfss::pattern pat) {
+    dfss::attention_config cfg;
+    cfg.backend = dfss::backend::cuda;
+    cfg.pattern = pat;
+    cfg.scale = scale;
+    cfg.cuda_stream = s;
+    return [fa, cfg] {
+      const dfss::status r = dfss::try_attention_forward(fa, cfg);
+      if (!r.ok()) {
+        std::fprintf(stderr, "dfss_bench_cuda: dfss::attention_forward failed: %s\n", r.message.c_str());
+        std::exit(1);
+      }
+    };
+  };
 
-  std::printf("%-8s B=%-3lld H=%-2lld L=%-5lld d=%lld pad=%d | 2:4 %7.3f (%6.3f %6.3f %6.3f) x%.2f | "
-              "1:2 %7.3f (%6.3f %6.3f %6.3f) x%.2f | dense %7.3f (%6.3f %6.3f %6.3f) ms\n",
-              sh.grid, static_cast<long long>(sh.B), static_cast<long long>(sh.H), static_cast<long long>(L),
-              static_cast<long long>(d), sh.key_padding ? 1 : 0, t24.total(), t24.k1, t24.k2, t24.k3,
-              td.total() / t24.total(), t12.total(), t12.k1, t12.k2, t12.k3, td.total() / t12.total(), td.total(),
-              td.k1, td.k2, td.k3);
-  std::fflush(stdout);
-  if (json != nullptr) {
-    std::fprintf(json,
-                 "%s{\"grid\":\"%s\",\"B\":%lld,\"H\":%lld,\"L\":%lld,\"d\":%lld,\"key_padding\":%s,"
-                 "\"dfss_2of4_ms\":[%.5f,%.5f,%.5f],\"dfss_1of2_ms\":[%.5f,%.5f,%.5f],\"dense_ms\":[%.5f,%.5f,%.5f]}",
-                 first_json ? "" : ",\n", sh.grid, static_cast<long long>(sh.B), static_cast<long long>(sh.H),
-                 static_cast<long long>(L), static_cast<long long>(d), sh.key_padding ? "true" : "false", t24.k1,
-                 t24.k2, t24.k3, t12.k1, t12.k2, t12.k3, td.k1, td.k2, td.k3);
-    first_json = false;
-  }
+  std::vector<db::result> out = planned_results(sh);
+  namespace w = dfss::cuda::warp;
+  out[0] = time_three([&] { check(dc::launch_sddmm_select<bf16, 64, w::sp_pattern::p2of4>(a, s), "sddmm"); },
+                      [] {},  // no softmax stage: it is folded into the SDDMM and the SpMM
+                      [&] { check(dc::launch_spmm<bf16, 64>(a, s), "spmm"); }, warmup, iters, s)
+               .summarize(out[0].method, out[0].c, true);
+  out[1] = time_call(api_call({2, 4}), warmup, iters, s).summarize(out[1].method, out[1].c, false);
+  out[2] = time_three([&] { check(dc::launch_sddmm_select<bf16, 64, w::sp_pattern::p1of2>(a, s), "sddmm"); },
+                      [] {},  // no softmax stage: it is folded into the SDDMM and the SpMM
+                      [&] { check(dc::launch_spmm<bf16, 64>(a, s), "spmm"); }, warmup, iters, s)
+               .summarize(out[2].method, out[2].c, true);
+  out[3] = time_call(api_call({1, 2}), warmup, iters, s).summarize(out[3].method, out[3].c, false);
+  // Dense: S^T (col-major Lk x Lq) = alpha K Q^T with alpha = scale log2 e (the base-2 domain the
+  // softmax expects); O^T (col-major d x Lq) = V^T P^T.
+  const float alpha = scale_log2, one = 1.0f, zero = 0.0f;
+  out[4] = time_three(
+               [&] {
+                 CHECK_CUBLAS(cublasGemmStridedBatchedEx(
+                     blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(L), static_cast<int>(L), static_cast<int>(d), &alpha,
+                     k, CUDA_R_16BF, static_cast<int>(d), L * d, q, CUDA_R_16BF, static_cast<int>(d), L * d, &zero,
+                     sdense, CUDA_R_16BF, static_cast<int>(L), L * L, static_cast<int>(BH), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT));
+               },
+               [&] {
+                 dense_softmax_kernel<<<dim3(static_cast<unsigned>((L + kSoftmaxRowsPerCta - 1) / kSoftmaxRowsPerCta),
+                                             static_cast<unsigned>(BH)),
+                                        kSoftmaxThreads, 0, s>>>(sdense, L, sh.H, L, lens);
+                 check(cudaGetLastError(), "dense softmax");
+               },
+               [&] {
+                 CHECK_CUBLAS(cublasGemmStridedBatchedEx(
+                     blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(d), static_cast<int>(L), static_cast<int>(L), &one,
+                     v, CUDA_R_16BF, static_cast<int>(d), L * d, sdense, CUDA_R_16BF, static_cast<int>(L), L * L, &zero, o,
+                     CUDA_R_16BF, static_cast<int>(d), L * d, static_cast<int>(BH), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT));
+               },
+               warmup, iters, s)
+               .summarize(out[4].method, out[4].c, true);
+
   cudaFree(a.values);
   cudaFree(a.meta);
   cudaFree(a.tile_max);
@@ -256,22 +340,54 @@ void run_shape(const shape& sh, int warmup, int iters, cublasHandle_t blas, cuda
   cudaFree(o);
   cudaFree(sdense);
   cudaFree(lens);
+  return out;
+}
+
+/// One line per shape: each method's median total (and stages), dense-equivalent TFLOP/s and GB/s.
+void print_shape(const db::shape& sh, const std::vector<db::result>& r, bool measured) {
+  std::printf("%-8s B=%lld H=%lld L=%lld d=%lld pad=%d: dense-equivalent %.3g GFLOP, io %.3g MB\n", sh.grid.c_str(),
+              static_cast<long long>(sh.B), static_cast<long long>(sh.H), static_cast<long long>(sh.L),
+              static_cast<long long>(sh.d), sh.key_padding ? 1 : 0, db::dense_equivalent_flops(sh) / 1e9,
+              db::io_bytes(sh) / 1e6);
+  const double dense_ms = r.back().ms;
+  for (const db::result& x : r) {
+    if (!measured) {
+      std::printf("  %-18s effective %.3g GFLOP, pipeline %.3g MB (stages %.3g %.3g %.3g MB)\n", x.method.c_str(),
+                  x.c.flops_effective / 1e9, x.c.bytes() / 1e6, x.c.stage_bytes[0] / 1e6, x.c.stage_bytes[1] / 1e6,
+                  x.c.stage_bytes[2] / 1e6);
+      continue;
+    }
+    std::printf("  %-18s %8.4f ms", x.method.c_str(), x.ms);
+    if (x.has_stages) std::printf(" (%7.4f %7.4f %7.4f)", x.stage_ms[0], x.stage_ms[1], x.stage_ms[2]);
+    else std::printf("                          ");
+    std::printf(" | %6.1f TFLOP/s dense-eq., %6.1f effective | %6.0f GB/s | dense/this x%.2f\n",
+                db::tflops(x.c.flops_dense_equivalent, x.ms), db::tflops(x.c.flops_effective, x.ms),
+                db::gbps(x.c.bytes(), x.ms), x.ms > 0 ? dense_ms / x.ms : 0.0);
+  }
+  std::fflush(stdout);
 }
 
 void usage() {
   std::printf(
       "usage: dfss_bench_cuda [--grid artifact|bert|all|smoke] [--warmup N] [--iters N] [--json FILE]\n"
-      "  Times the DFSS 2:4 and 1:2 three-kernel pipelines (SDDMM+select, softmax, SpMM) and the dense\n"
-      "  cuBLAS GEMM + softmax + GEMM pipeline, bf16, d = 64, with per-kernel times (CUDA events).\n"
+      "                       [--markdown FILE] [--dry-run]\n"
+      "  Times, bf16, d = 64: the DFSS 2:4 and 1:2 pipelines as raw kernel launches (per stage: SDDMM+select,\n"
+      "  none (the softmax is folded into the other two), SpMM) and through dfss::attention_forward (the public API, host-side work included), and\n"
+      "  the dense cuBLAS GEMM + softmax + GEMM pipeline (one-warp-per-row online softmax).\n"
       "  artifact: H=4, L=256..4096, B=48 (24 at 4096); bert: H=16, L=384, B=32, key padding.\n"
-      "  Speedups (xN) are dense time / DFSS time. Defaults: --grid all --warmup 10 --iters 30.\n");
+      "  Times are medians over --iters synchronised calls after --warmup untimed ones; TFLOP/s are\n"
+      "  dense-equivalent (4 B H L^2 d for every method) and effective (products performed); GB/s count\n"
+      "  each stage's reads and writes once (bench/cuda/bench_metrics.hpp, docs/gpu-results.md).\n"
+      "  --dry-run: no GPU; prints the shapes with their FLOP and byte counts and writes the JSON and\n"
+      "  markdown with null times. Defaults: --grid all --warmup 10 --iters 30.\n");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string grid = "all", json_path;
+  std::string grid = "all", json_path, md_path;
   int warmup = 10, iters = 30;
+  bool dry_run = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&](const char* name) -> std::string {
@@ -281,57 +397,95 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
+    auto count = [&](const char* name, int min) {
+      const std::string text = value(name);
+      char* end = nullptr;
+      const long x = std::strtol(text.c_str(), &end, 10);
+      if (text.empty() || *end != '\0' || x < min || x > 1000000) {
+        std::fprintf(stderr, "dfss_bench_cuda: %s expects an integer in [%d, 1000000], got '%s'\n", name, min,
+                     text.c_str());
+        std::exit(2);
+      }
+      return static_cast<int>(x);
+    };
     if (arg == "--help" || arg == "-h") {
       usage();
       return 0;
     } else if (arg == "--grid") {
       grid = value("--grid");
     } else if (arg == "--warmup") {
-      warmup = std::atoi(value("--warmup").c_str());
+      warmup = count("--warmup", 0);
     } else if (arg == "--iters") {
-      iters = std::atoi(value("--iters").c_str());
+      iters = count("--iters", 1);
     } else if (arg == "--json") {
       json_path = value("--json");
+    } else if (arg == "--markdown") {
+      md_path = value("--markdown");
+    } else if (arg == "--dry-run") {
+      dry_run = true;
     } else {
       std::fprintf(stderr, "dfss_bench_cuda: unknown argument '%s'\n", arg.c_str());
       usage();
       return 2;
     }
   }
-  if (grid != "artifact" && grid != "bert" && grid != "all" && grid != "smoke") {
+  std::vector<db::shape> shapes;
+  if (!db::grid_shapes(grid, shapes)) {
     std::fprintf(stderr, "dfss_bench_cuda: --grid expects artifact, bert, all or smoke, got '%s'\n", grid.c_str());
     return 2;
   }
-  if (iters < 1 || warmup < 0) {
-    std::fprintf(stderr, "dfss_bench_cuda: --iters must be >= 1 and --warmup >= 0\n");
+  std::string device = "none (dry run)";
+  cudaStream_t s = nullptr;
+  cublasHandle_t blas = nullptr;
+  if (!dry_run) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+      std::fprintf(stderr, "dfss_bench_cuda: no CUDA device (--dry-run runs without one)\n");
+      return 77;
+    }
+    cudaDeviceProp prop{};
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    device = prop.name;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CHECK_CUBLAS(cublasCreate(&blas));
+    CHECK_CUBLAS(cublasSetStream(blas, s));
+  }
+  std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
+  std::FILE* md = md_path.empty() ? nullptr : std::fopen(md_path.c_str(), "w");
+  if ((!json_path.empty() && json == nullptr) || (!md_path.empty() && md == nullptr)) {
+    std::fprintf(stderr, "dfss_bench_cuda: cannot write '%s'\n", json == nullptr ? json_path.c_str() : md_path.c_str());
     return 2;
   }
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::fprintf(stderr, "dfss_bench_cuda: no CUDA device\n");
-    return 77;
-  }
-  std::vector<shape> shapes;
-  if (grid == "smoke") shapes.push_back({"smoke", 2, 4, 256, 64, true});
-  if (grid == "artifact" || grid == "all") {
-    for (i64 L : {256, 512, 1024, 2048, 4096}) shapes.push_back({"artifact", L == 4096 ? 24 : 48, 4, L, 64, false});
-  }
-  if (grid == "bert" || grid == "all") shapes.push_back({"bert", 32, 16, 384, 64, true});
-  cudaStream_t s;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cublasHandle_t blas;
-  CHECK_CUBLAS(cublasCreate(&blas));
-  CHECK_CUBLAS(cublasSetStream(blas, s));
-  std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
-  if (json != nullptr) std::fprintf(json, "[\n");
-  bool first = true;
-  std::printf("times in ms per call: total (SDDMM+select, softmax, SpMM) for DFSS; (QK^T GEMM, softmax, PV GEMM) for dense\n");
-  for (const shape& sh : shapes) run_shape(sh, warmup, iters, blas, s, json, first);
   if (json != nullptr) {
-    std::fprintf(json, "\n]\n");
+    std::fprintf(json, "{\"tool\":\"dfss_bench_cuda\",\"device\":\"%s\",\"dry_run\":%s,\"warmup\":%d,\"iters\":%d,\n",
+                 device.c_str(), dry_run ? "true" : "false", warmup, iters);
+    std::fprintf(json, "\"conventions\":%s,\n\"results\":[\n", db::json_conventions());
+  }
+  if (md != nullptr) {
+    std::fprintf(md, "dfss_bench_cuda on %s, median of %d iterations after %d warm-up\n\n%s", device.c_str(), iters,
+                 warmup, db::markdown_header());
+  }
+  std::printf("dfss_bench_cuda on %s: ms per call, median of %d after %d warm-up; stages (SDDMM+select, -, "
+              "SpMM) for DFSS, (QK^T GEMM, softmax, PV GEMM) for dense\n",
+              device.c_str(), iters, warmup);
+  bool first = true;
+  for (const db::shape& sh : shapes) {
+    const std::vector<db::result> r = dry_run ? planned_results(sh) : run_shape(sh, warmup, iters, blas, s);
+    print_shape(sh, r, !dry_run);
+    for (const db::result& x : r) {
+      if (json != nullptr) std::fprintf(json, "%s%s", first ? "" : ",\n", db::json_result(sh, x, !dry_run).c_str());
+      if (md != nullptr) std::fputs(db::markdown_row(sh, x, !dry_run).c_str(), md);
+      first = false;
+    }
+  }
+  if (json != nullptr) {
+    std::fprintf(json, "\n]}\n");
     std::fclose(json);
   }
-  cublasDestroy(blas);
-  cudaStreamDestroy(s);
+  if (md != nullptr) std::fclose(md);
+  if (!dry_run) {
+    cublasDestroy(blas);
+    cudaStreamDestroy(s);
+  }
   return 0;
 }

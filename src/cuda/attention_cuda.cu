@@ -1,4 +1,5 @@
-// The CUDA backend's forward: argument checks and the two-kernel pipeline (see pipeline.cuh).
+// The CUDA backend's forward: argument checks, the intermediates' workspace (a dfss-owned
+// stream-ordered pool), error attribution, and the two-kernel pipeline (see pipeline.cuh).
 #include "cuda/attention_cuda.hpp"
 
 #include <cuda_bf16.h>
@@ -7,12 +8,15 @@
 
 #include <cmath>
 #include <cstdint>
-#include <iterator>
+#include <limits>
+#include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cuda/pipeline.cuh"
 #include "cuda/warp/softmax_fold.hpp"
+#include "cuda/workspace.hpp"
 
 namespace dfss::cuda {
 namespace {
@@ -25,18 +29,31 @@ constexpr i64 kMaxGridYZ = 65535;
 // padding of the intermediates. (At that length one row block's weights alone would be 256 GB.)
 constexpr i64 kMaxKeys = 2147483647 - 64;
 
-std::string pointer_reason(const char* name, const void* ptr) {
+std::string runtime_error_text(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
+
+/// Why @p ptr cannot be read by kernels running on @p device (empty when it can): it must be device
+/// memory of that very device, or managed memory. Memory of another device would be reached, if at
+/// all, over peer access at a fraction of the bandwidth, or fault; the caller selects the device
+/// (cudaSetDevice, torch.cuda.device) and dfss runs there.
+std::string pointer_reason(const char* name, const void* ptr, int device) {
   if (ptr == nullptr) return "";
   cudaPointerAttributes attr{};
   const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the error so it does not leak into the caller's next CUDA call
     return std::string("the CUDA backend needs '") + name + "' in CUDA device memory, but the CUDA runtime " +
-           "could not inspect the pointer: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+           "could not inspect the pointer: " + runtime_error_text(e);
   }
   if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
     return std::string("the CUDA backend needs '") + name +
            "' in CUDA device (or managed) memory, got a host pointer";
+  }
+  if (attr.type == cudaMemoryTypeDevice && attr.device != device) {
+    return std::string("the CUDA backend needs '") + name + "' on the current CUDA device " + std::to_string(device) +
+           " (the kernels run there), got memory of device " + std::to_string(attr.device) +
+           ": make that device current (cudaSetDevice) or move the tensor";
   }
   return "";
 }
@@ -80,10 +97,106 @@ cudaError_t launch_all(const pipeline_args& a, const attention_params& p, cudaSt
   return p.head_dim == 64 ? launch_spmm<T, 64>(a, s) : launch_spmm<T, 128>(a, s);
 }
 
-status cuda_failure(const char* step, cudaError_t e) {
-  return {status_code::cuda_error, std::string("dfss::attention_forward (cuda): ") + step + ": " +
-                                       cudaGetErrorName(e) + ": " + cudaGetErrorString(e)};
+/// Errors that the CUDA runtime reports asynchronously, at a later call, once a kernel has faulted;
+/// they are sticky (every later call returns them). A launch that returns one did not cause it:
+/// some earlier kernel on the device did, ours or the caller's.
+bool asynchronous_error(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
 }
+
+status cuda_failure(const char* step, cudaError_t e) {
+  std::string msg = std::string("dfss::attention_forward (cuda): ") + step + ": " + runtime_error_text(e);
+  if (asynchronous_error(e)) {
+    msg += " (an asynchronous, sticky error: a kernel that ran earlier on this device faulted, which may be "
+           "one of dfss's or one of the caller's; the CUDA context is unusable from here on)";
+  }
+  return {status_code::cuda_error, std::move(msg)};
+}
+
+std::mutex pool_mutex;
+std::vector<cudaMemPool_t> pools;  // by device; null until first use
+
+/// The dfss-owned memory pool of @p device, created at first use and kept for the process's
+/// lifetime (destroying it at exit could run after the driver has unloaded). Its release threshold
+/// is unlimited: memory freed at the end of a call stays mapped in the pool and serves the next call,
+/// instead of going back to the OS at every synchronisation (what the default pool does, whose
+/// threshold is 0) and being mapped again. The pool thus holds the largest concurrent intermediates
+/// of the calls so far. It is dfss's own, so the caller's default pool keeps its own settings.
+cudaError_t workspace_pool(int device, cudaMemPool_t& pool) {
+  const std::lock_guard<std::mutex> lock(pool_mutex);
+  if (static_cast<std::size_t>(device) >= pools.size()) pools.resize(static_cast<std::size_t>(device) + 1, nullptr);
+  cudaMemPool_t& slot = pools[static_cast<std::size_t>(device)];
+  if (slot == nullptr) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t created = nullptr;
+    cudaError_t e = cudaMemPoolCreate(&created, &props);
+    if (e != cudaSuccess) return e;
+    std::uint64_t keep_all = std::numeric_limits<std::uint64_t>::max();
+    e = cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep_all);
+    if (e != cudaSuccess) {
+      cudaMemPoolDestroy(created);
+      return e;
+    }
+    slot = created;
+  }
+  pool = slot;
+  return cudaSuccess;
+}
+
+/// The intermediates of one call, in one stream-ordered block from workspace_pool: acquire places
+/// every request (workspace_layout) and points it into the block, release frees the block in stream
+/// order after the kernels that use it.
+class stream_workspace {
+ public:
+  status acquire(const workspace_request* req, std::size_t n, int device, cudaStream_t stream) {
+    const workspace_plan plan = workspace_layout(req, n);
+    if (!plan.error.empty()) return {status_code::unsupported, "dfss::attention_forward (cuda): " + plan.error};
+    cudaMemPool_t pool = nullptr;
+    cudaError_t e = workspace_pool(device, pool);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // reported in the status: not left for the caller's next check to find
+      return cuda_failure("creating dfss's stream-ordered memory pool", e);
+    }
+    e = cudaMallocFromPoolAsync(&block_, plan.total_bytes > 0 ? plan.total_bytes : 1, pool, stream);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      block_ = nullptr;
+      return cuda_failure(("cudaMallocFromPoolAsync of the intermediates (" + std::to_string(plan.total_bytes) +
+                           " bytes)").c_str(),
+                          e);
+    }
+    workspace_assign(req, n, plan, block_);
+    return status::success();
+  }
+  cudaError_t release(cudaStream_t stream) {
+    if (block_ == nullptr) return cudaSuccess;
+    const cudaError_t e = cudaFreeAsync(block_, stream);
+    block_ = nullptr;
+    if (e != cudaSuccess) cudaGetLastError();
+    return e;
+  }
+
+ private:
+  void* block_ = nullptr;
+};
 
 }  // namespace
 
@@ -119,9 +232,15 @@ std::string forward_unsupported_reason(const attention_params& p) {
     r = p.o_type == dtype::f32 ? view_reason("out", p.o, p.o_stride, 2, 8) : view_reason("out", p.o, p.o_stride, 2, 4);
   }
   if (!r.empty()) return r;
+  int device = 0;
+  const cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return "the CUDA backend could not read the current CUDA device: " + runtime_error_text(e);
+  }
   for (const auto& [name, ptr] : {std::pair<const char*, const void*>{"q", p.q}, {"k", p.k}, {"v", p.v},
                                   {"out", p.o}, {"lse", p.lse}, {"key_lengths", p.key_lengths}}) {
-    r = pointer_reason(name, ptr);
+    r = pointer_reason(name, ptr, device);
     if (!r.empty()) return r;
   }
   return "";
@@ -162,43 +281,85 @@ status attention_forward(const attention_params& p, void* stream_ptr) {
   // Lk = 0 still runs one (fully masked) key tile, so every row gets zeros and LSE -inf.
   a.layout = warp::intermediate_layout::make(p.seqlen_q, p.seqlen_k > 0 ? p.seqlen_k : 1);
   const i64 slices = p.batch * p.heads;
-  // The intermediates, stream-ordered: compressed weights, metadata, tile and row maxima.
-  struct buffer {
-    void** ptr;
-    std::size_t bytes;
-    const char* what;
+  // The intermediates, one slice per (batch, head): one row each (weights are 16-bit, T).
+  const workspace_request intermediates[] = {
+      workspace_entry("compressed weights", slices * a.layout.value_elems(), 2, a.values),
+      workspace_entry("metadata", slices * a.layout.meta_words(), sizeof(std::uint32_t), a.meta),
+      workspace_entry("tile maxima", slices * warp::fold_tile_max_elems(a.layout), sizeof(float), a.tile_max),
+      workspace_entry("row maxima", slices * a.layout.rows_padded, sizeof(float), a.row_max),
   };
-  const buffer buffers[] = {
-      {&a.values, static_cast<std::size_t>(slices * a.layout.value_elems()) * 2, "the compressed weights"},
-      {reinterpret_cast<void**>(&a.meta), static_cast<std::size_t>(slices * a.layout.meta_words()) * 4, "the metadata"},
-      {reinterpret_cast<void**>(&a.tile_max), static_cast<std::size_t>(slices * warp::fold_tile_max_elems(a.layout)) * 4,
-       "the tile maxima"},
-      {reinterpret_cast<void**>(&a.row_max), static_cast<std::size_t>(slices * a.layout.rows_padded) * 4, "the row maxima"},
-  };
-  std::size_t allocated = 0;
-  cudaError_t e = cudaSuccess;
-  const char* step = "";
-  for (const buffer& x : buffers) {
-    e = cudaMallocAsync(x.ptr, x.bytes, stream);
+
+  // An error already pending here was left by earlier CUDA work that nobody checked: our first
+  // launch's cudaGetLastError would return it and blame our kernel. So nothing is launched, the
+  // status says where it comes from, and it is left pending (peeked, not cleared), so the caller's own
+  // checks still see it. A sticky error (a kernel faulted) is found here too, and may come from any
+  // kernel that ran before, dfss's included.
+  cudaError_t e = cudaPeekAtLastError();
+  if (e != cudaSuccess) {
+    return {status_code::cuda_error,
+            "dfss::attention_forward (cuda): a CUDA error was already pending before dfss launched anything: " +
+                runtime_error_text(e) +
+                (asynchronous_error(e)
+                     ? "; a sticky error: a kernel that ran earlier on this device faulted, and the CUDA context is "
+                       "unusable from here on"
+                     : "; it was left by earlier CUDA work of the caller that was not checked") +
+                ". Nothing was launched, and the error is left pending as found (cudaGetLastError clears it)"};
+  }
+  int device = 0;
+  e = cudaGetDevice(&device);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_failure("cudaGetDevice", e);
+  }
+#if CUDART_VERSION >= 12080
+  // A stream of another device: the launches would fail with an invalid resource handle, or, for the
+  // pool, allocate on the wrong device. The special handles (legacy, per-thread) follow the current
+  // device.
+  if (stream != nullptr && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
+    int stream_device = 0;
+    e = cudaStreamGetDevice(stream, &stream_device);
     if (e != cudaSuccess) {
-      step = x.what;
-      break;
+      cudaGetLastError();
+      return {status_code::invalid_argument,
+              "dfss::attention_forward (cuda): argument 'cuda_stream': expected a CUDA stream, but the runtime "
+              "cannot read its device: " + runtime_error_text(e)};
     }
-    ++allocated;
+    if (stream_device != device) {
+      return {status_code::invalid_argument,
+              "dfss::attention_forward (cuda): argument 'cuda_stream': expected a stream of the current device " +
+                  std::to_string(device) + ", got a stream of device " + std::to_string(stream_device)};
+    }
   }
-  if (e == cudaSuccess) {
-    e = p.input_type == dtype::bf16 ? launch_all<__nv_bfloat16>(a, p, stream, step)
-                                    : launch_all<__half>(a, p, stream, step);
-  }
-  cudaError_t freed = cudaSuccess;
-  for (std::size_t i = allocated; i-- > 0;) {
-    const cudaError_t f = cudaFreeAsync(*buffers[i].ptr, stream);
-    if (freed == cudaSuccess) freed = f;
-  }
-  if (allocated < std::size(buffers)) return cuda_failure((std::string("cudaMallocAsync of ") + step).c_str(), e);
+#endif
+
+  stream_workspace ws;
+  status st = ws.acquire(intermediates, sizeof(intermediates) / sizeof(intermediates[0]), device, stream);
+  if (!st.ok()) return st;
+  const char* step = "";
+  e = p.input_type == dtype::bf16 ? launch_all<__nv_bfloat16>(a, p, stream, step)
+                                  : launch_all<__half>(a, p, stream, step);
+  // Freed in stream order even after a failed launch: the kernels enqueued before it still use it.
+  const cudaError_t f = ws.release(stream);
   if (e != cudaSuccess) return cuda_failure(step, e);
-  if (freed != cudaSuccess) return cuda_failure("cudaFreeAsync of the intermediates", freed);
+  if (f != cudaSuccess) return cuda_failure("cudaFreeAsync of the intermediates", f);
   return status::success();
+}
+
+std::size_t workspace_pool_reserved_bytes() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  const std::lock_guard<std::mutex> lock(pool_mutex);
+  if (static_cast<std::size_t>(device) >= pools.size() || pools[static_cast<std::size_t>(device)] == nullptr) return 0;
+  std::uint64_t reserved = 0;
+  if (cudaMemPoolGetAttribute(pools[static_cast<std::size_t>(device)], cudaMemPoolAttrReservedMemCurrent, &reserved) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return static_cast<std::size_t>(reserved);
 }
 
 }  // namespace dfss::cuda

@@ -11,7 +11,12 @@
 //     are compared with tolerances derived from the kernels' rounding (see run_e2e); every case is
 //     run and prints its largest errors ("case ...: out max error ..."), failing or not.
 //   - A CUDA graph capture of a call on a non-default stream replays to the same result.
-//   - Clear errors: host pointers and unsupported shapes are rejected with the reason.
+//   - Clear errors: host pointers and unsupported shapes are rejected with the reason; memory or a
+//     stream of another device too (with two GPUs); a CUDA error the caller left pending is reported
+//     as the caller's, nothing is launched, and the error stays pending.
+//   - The intermediates stay mapped in dfss's pool between calls (not returned at each sync).
+//   - More than 2^31 intermediate elements (one slice alone has more): a few rows, at and after the
+//     2^31 crossing, against the fp64 reference; skipped when the GPU has too little free memory.
 // The TESTs sit outside the anonymous namespace: inside it nvcc 13 reports each one's registration
 // member as unused (#177-D, an error under -Werror=all-warnings) whenever GoogleTest's headers are
 // not system headers, e.g. when GoogleTest is built from source.
@@ -29,8 +34,10 @@
 #include <string>
 #include <vector>
 
+#include "cuda/attention_cuda.hpp"
 #include "cuda/ptx.cuh"
 #include "cuda/warp/mma_fragments.hpp"
+#include "cuda/warp/nm_warp_select.hpp"
 #include "dfss/dfss.hpp"
 
 namespace {
@@ -167,7 +174,30 @@ struct e2e_case {
   bool bf16;
   bool out_f32;
   std::vector<std::int64_t> lens;  // empty: none
+  // Plant non-finite inputs (batch 0): NaN in q row 5 of head 0 (that row NaN), NaN in the k and v
+  // rows of key Lk - 1 (masked: the case sets a key length below Lk), which may leak nowhere.
+  bool special = false;
 };
+
+// Tolerances, from the kernels' own rounding (src/cuda/warp/softmax_fold.hpp). The scores are exact
+// (small integers), and so is the selection and every maximum. The SDDMM forms each kept weight
+// exp2((s - m_t) c) in f32 (the difference exact, the product 2^-24, ex2.approx about 2^-22
+// relative) and rounds it to the 16-bit type T (relative u, the unit roundoff: bf16 2^-8, f16
+// 2^-11); the SpMM rounds its factor exp2((m_t - M) c) to T (u) and the product of the two (u). So
+// every weight p_j is within a factor 1 + e of exact, e = 3u + 2^-20, and O = sum p v / sum p, both
+// sums of exactly the same p in f32 over at most Lk keys (Lk 2^-24 each): with |v| <= vmax,
+//   |out error| <= vmax (2 e + 2 Lk 2^-24) + 2^-23 |out|   (+ u |out| when the output is 16-bit).
+// LSE = ln 2 (M c + log2 L): ln(L (1 + e')) moves by at most e' = e + Lk 2^-24, and the f32
+// products and log2 add 2^-22 (|lse| + 1).
+double out_tolerance(double u, double vmax, std::int64_t Lk, bool out_f32, double out_ref) {
+  const double e = 3 * u + std::ldexp(1.0, -20);
+  const double f32_sum = static_cast<double>(Lk) * std::ldexp(1.0, -24);
+  return vmax * (2 * e + 2 * f32_sum) + std::ldexp(1.0, -23) * std::fabs(out_ref) + (out_f32 ? 0.0 : u * std::fabs(out_ref));
+}
+double lse_tolerance(double u, std::int64_t Lk, double lse_ref) {
+  const double e = 3 * u + std::ldexp(1.0, -20);
+  return e + static_cast<double>(Lk) * std::ldexp(1.0, -24) + std::ldexp(1.0, -22) * (std::fabs(lse_ref) + 1);
+}
 
 template <typename T>
 void run_e2e(const e2e_case& c) {
@@ -185,6 +215,14 @@ void run_e2e(const e2e_case& c) {
   for (auto& x : q) x = dfss::from_double<T>(small(rng));
   for (auto& x : k) x = dfss::from_double<T>(small(rng));
   for (auto& x : v) x = dfss::from_double<T>(real(rng));
+  if (c.special) {
+    const T nan = dfss::from_double<T>(std::nan(""));
+    q[static_cast<std::size_t>(5 * c.H * c.d)] = nan;
+    for (std::int64_t x = 0; x < c.d; ++x) {
+      k[static_cast<std::size_t>((c.Lk - 1) * c.Hkv * c.d + x)] = nan;
+      v[static_cast<std::size_t>((c.Lk - 1) * c.Hkv * c.d + x)] = nan;
+    }
+  }
 
   // Reference on the host (same 16-bit inputs, fp64 maths).
   std::vector<float> o_ref(nq), lse_ref(static_cast<std::size_t>(c.B * c.H * c.Lq));
@@ -233,61 +271,36 @@ void run_e2e(const e2e_case& c) {
     for (std::size_t i = 0; i < nq; ++i) o[i] = static_cast<float>(dfss::to_double(o16[i]));
   }
   CUDA_OK(cudaMemcpy(lse.data(), dlse.ptr, lse.size() * 4, cudaMemcpyDeviceToHost));
-  // Tolerances, from the kernels' own rounding. The scores are exact (small integers), and so is the
-  // selection; the SDDMM then stores t = s * scale * log2(e) rounded to the 16-bit type T, with
-  // relative error at most u (the unit roundoff: bf16 2^-8, f16 2^-11), so each t is off by at most
-  // delta = u * S, where S is the row's largest |t|. Softmax is exp2(t_i - max) / sum: an error
-  // delta in every t moves each probability by a factor within exp(2 ln2 delta), about 1 + 2 ln2
-  // delta; the probabilities are then rounded to T (another u, relative), and the SpMM sums p_i v_i
-  // in f32 over at most Lk keys (Lk 2^-24 relative). With sum p_i = 1 and |v| <= vmax:
-  //   |out error| <= vmax (u (2 ln2 S + 1) + Lk 2^-24)   (+ u |out| when the output is 16-bit),
-  // and log-sum-exp is 1-Lipschitz in the scores, so |lse error| <= ln2 delta + Lk 2^-24 (|lse| + 1).
-  // S is bounded per row by the largest |score| over all of the row's keys.
+  // Tolerances: see out_tolerance and lse_tolerance.
   const double u = c.bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
-  const double ln2 = std::log(2.0);
-  const double scale_log2 = 1.4426950408889634 / std::sqrt(static_cast<double>(c.d));
-  const double f32_sum = static_cast<double>(c.Lk) * std::ldexp(1.0, -24);
   double vmax = 0;
-  for (const T& x : v) vmax = std::max(vmax, std::fabs(dfss::to_double(x)));
-  std::vector<double> row_s(static_cast<std::size_t>(c.B * c.Lq * c.H), 0.0);  // S per (b, row, h)
-  for (std::int64_t b = 0; b < c.B; ++b) {
-    for (std::int64_t r = 0; r < c.Lq; ++r) {
-      for (std::int64_t h = 0; h < c.H; ++h) {
-        const std::int64_t hk = h / (c.H / c.Hkv);
-        double m = 0;
-        for (std::int64_t j = 0; j < c.Lk; ++j) {
-          double dot = 0;
-          for (std::int64_t x = 0; x < c.d; ++x) {
-            dot += dfss::to_double(q[static_cast<std::size_t>(((b * c.Lq + r) * c.H + h) * c.d + x)]) *
-                   dfss::to_double(k[static_cast<std::size_t>(((b * c.Lk + j) * c.Hkv + hk) * c.d + x)]);
-          }
-          m = std::max(m, std::fabs(dot) * scale_log2);
-        }
-        row_s[static_cast<std::size_t>((b * c.Lq + r) * c.H + h)] = m;
-      }
-    }
+  for (const T& x : v) {
+    if (!std::isnan(dfss::to_double(x))) vmax = std::max(vmax, std::fabs(dfss::to_double(x)));
   }
-  // Every element is compared (no early exit); the largest error and error / tolerance are reported.
+  // Every element is compared (no early exit); a NaN in the reference must be NaN here too.; the largest error and error / tolerance are reported.
   double out_max = 0, out_ratio = 0, lse_max = 0, lse_ratio = 0;
   std::size_t out_bad = 0, lse_bad = 0, first_out = nq, first_lse = lse.size();
   for (std::size_t i = 0; i < nq; ++i) {
-    const double S = row_s[i / static_cast<std::size_t>(c.d)];
-    const double tol = vmax * (u * (2 * ln2 * S + 1) + f32_sum) + (c.out_f32 ? 0.0 : u * std::fabs(o_ref[i]));
+    if (std::isnan(o_ref[i]) || std::isnan(o[i])) {
+      if (!(std::isnan(o_ref[i]) && std::isnan(o[i])) && out_bad++ == 0) first_out = i;
+      continue;
+    }
+    const double tol = out_tolerance(u, vmax, c.Lk, c.out_f32, o_ref[i]);
     const double err = std::fabs(static_cast<double>(o[i]) - o_ref[i]);
     out_max = std::max(out_max, err);
     out_ratio = std::max(out_ratio, err / tol);
     if (!(err <= tol) && out_bad++ == 0) first_out = i;
   }
   for (std::size_t i = 0; i < lse.size(); ++i) {
-    const std::int64_t b = static_cast<std::int64_t>(i) / (c.H * c.Lq);
-    const std::int64_t h = static_cast<std::int64_t>(i) / c.Lq % c.H;
-    const std::int64_t r = static_cast<std::int64_t>(i) % c.Lq;
+    if (std::isnan(lse_ref[i]) || std::isnan(lse[i])) {
+      if (!(std::isnan(lse_ref[i]) && std::isnan(lse[i])) && lse_bad++ == 0) first_lse = i;
+      continue;
+    }
     if (std::isinf(lse_ref[i])) {
       if (!(std::isinf(lse[i]) && lse[i] < 0) && lse_bad++ == 0) first_lse = i;
       continue;
     }
-    const double S = row_s[static_cast<std::size_t>((b * c.Lq + r) * c.H + h)];
-    const double tol = ln2 * u * S + f32_sum * (std::fabs(static_cast<double>(lse_ref[i])) + 1);
+    const double tol = lse_tolerance(u, c.Lk, lse_ref[i]);
     const double err = std::fabs(static_cast<double>(lse[i]) - lse_ref[i]);
     lse_max = std::max(lse_max, err);
     lse_ratio = std::max(lse_ratio, err / tol);
@@ -324,6 +337,13 @@ TEST(CudaAttention, MatchesTheReferenceOnAwkwardShapes) {
       run_e2e<dfss::half>(c);
     }
   }
+}
+
+// Non-finite inputs (e2e_case::special): a NaN query row is NaN (O and LSE) as in the reference;
+// NaN keys and values past the key length change nothing.
+TEST(CudaAttention, NonFiniteInputsFollowTheSemantics) {
+  run_e2e<dfss::half>({1, 40, 70, 1, 1, 64, dfss::pattern{2, 4}, false, false, true, {60}, true});
+  run_e2e<dfss::bfloat16>({1, 150, 130, 2, 1, 128, dfss::pattern{1, 2}, false, true, false, {129}, true});
 }
 
 // A small case with a tail in both directions, a causal mask, key lengths and an empty batch: the
@@ -388,6 +408,186 @@ TEST(CudaAttention, RejectsWhatItCannotRunWithAReason) {
   EXPECT_FALSE(s.supported());
   EXPECT_NE(s.reason.find("head_dim 64 and 128, got 96"), std::string::npos) << s.reason;
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+namespace {
+
+__global__ void noop_kernel() {}
+
+// A small bf16 problem on the device, [1, L, 1, 64], self-attention, for the tests below.
+struct small_problem {
+  static constexpr std::int64_t L = 64, d = 64;
+  device_array<dfss::bfloat16> q{static_cast<std::size_t>(L * d)};
+  device_array<dfss::bfloat16> out{static_cast<std::size_t>(L * d)};
+  dfss::forward_args args() const {
+    dfss::forward_args a;
+    a.q = a.k = a.v = dfss::make_view(q.ptr, {1, L, 1, d});
+    a.out = dfss::make_view(out.ptr, {1, L, 1, d});
+    return a;
+  }
+};
+
+dfss::attention_config cuda_config() {
+  dfss::attention_config cfg;
+  cfg.backend = dfss::backend::cuda;
+  return cfg;
+}
+
+}  // namespace
+
+TEST(CudaAttention, AnErrorTheCallerLeftPendingIsReportedAsSuchAndLeftPending) {
+  small_problem pr;
+  ASSERT_NE(pr.q.ptr, nullptr);
+  CUDA_OK(cudaMemset(pr.q.ptr, 0, static_cast<std::size_t>(pr.L * pr.d) * 2));
+  // 4096 threads per block exceeds every GPU's limit (1024): the launch fails with a non-sticky
+  // cudaErrorInvalidConfiguration, which stays pending since nobody reads it.
+  noop_kernel<<<1, 4096>>>();
+  ASSERT_EQ(cudaPeekAtLastError(), cudaErrorInvalidConfiguration);
+  const dfss::status st = dfss::try_attention_forward(pr.args(), cuda_config());
+  EXPECT_EQ(st.code, dfss::status_code::cuda_error) << st.message;
+  EXPECT_NE(st.message.find("already pending before dfss launched anything: cudaErrorInvalidConfiguration"),
+            std::string::npos)
+      << st.message;
+  EXPECT_NE(st.message.find("earlier CUDA work of the caller"), std::string::npos) << st.message;
+  // Left pending for the caller's own check; once cleared, the call runs.
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  const dfss::status again = dfss::try_attention_forward(pr.args(), cuda_config());
+  EXPECT_TRUE(again.ok()) << again.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST(CudaAttention, MemoryOrAStreamOfAnotherDeviceIsRejected) {
+  int n = 0;
+  CUDA_OK(cudaGetDeviceCount(&n));
+  if (n < 2) GTEST_SKIP() << "needs two CUDA devices, this machine has " << n;
+  CUDA_OK(cudaSetDevice(1));
+  small_problem on1;
+  cudaStream_t stream1;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream1, cudaStreamNonBlocking));
+  CUDA_OK(cudaSetDevice(0));
+  dfss::kernel_selection s = dfss::select_kernel(on1.args(), cuda_config());
+  EXPECT_FALSE(s.supported());
+  EXPECT_NE(s.reason.find("'q' on the current CUDA device 0"), std::string::npos) << s.reason;
+  EXPECT_NE(s.reason.find("got memory of device 1"), std::string::npos) << s.reason;
+  small_problem on0;
+  dfss::attention_config cfg = cuda_config();
+  cfg.cuda_stream = stream1;
+  const dfss::status st = dfss::try_attention_forward(on0.args(), cfg);
+  EXPECT_EQ(st.code, dfss::status_code::invalid_argument) << st.message;
+  EXPECT_NE(st.message.find("argument 'cuda_stream': expected a stream of the current device 0, got a stream of device 1"),
+            std::string::npos)
+      << st.message;
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  CUDA_OK(cudaSetDevice(1));
+  CUDA_OK(cudaStreamDestroy(stream1));
+  CUDA_OK(cudaSetDevice(0));
+}
+
+TEST(CudaAttention, IntermediatesStayMappedBetweenCalls) {
+  // [4, 2048, 8, 64]: 32 slices of 2048 x 1024 compressed values (128 MiB) plus metadata, larger
+  // than the intermediates of every test before, so the pool must grow and then keep that size.
+  const std::int64_t B = 4, L = 2048, H = 8, d = 64;
+  const std::size_t n = static_cast<std::size_t>(B * L * H * d);
+  device_array<dfss::bfloat16> q(n), out(n);
+  ASSERT_NE(q.ptr, nullptr);
+  CUDA_OK(cudaMemset(q.ptr, 0, n * 2));
+  dfss::forward_args a;
+  a.q = a.k = a.v = dfss::make_view(q.ptr, {B, L, H, d});
+  a.out = dfss::make_view(out.ptr, {B, L, H, d});
+  const w::intermediate_layout lay = w::intermediate_layout::make(L, L);
+  const std::size_t needed = static_cast<std::size_t>(B * H * (lay.value_elems() * 2 + lay.meta_words() * 4));
+  dfss::attention_forward(a, cuda_config());
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::size_t after_first = dfss::cuda::workspace_pool_reserved_bytes();
+  EXPECT_GE(after_first, needed) << "the pool gave its memory back at the synchronisation";
+  dfss::attention_forward(a, cuda_config());
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(dfss::cuda::workspace_pool_reserved_bytes(), after_first) << "the second call mapped memory again";
+}
+
+// More than 2^31 intermediate elements: B = 1, H = 2 (one kv head), Lq = Lk = 65600, d = 64, f16,
+// 2:4, f32 output and LSE. One slice alone holds 65664 x 32800 compressed values (> 2^31), so row
+// offsets inside a slice cross 2^31 (row 65472's values straddle it) and head 1's slice starts past
+// it: any 32-bit index on the way wraps. 9.7 GB of intermediates, ~1.1 TFLOP: a few ms on an H100.
+// Rows 0, 65472, 65473 and the last of both heads are checked against the fp64 reference on one
+// query row each (non-causal, so a row's result depends on that row only).
+TEST(CudaAttention, MoreThan2To31IntermediateElements) {
+  using T = dfss::half;
+  const std::int64_t B = 1, H = 2, Hkv = 1, L = 65600, d = 64;
+  const w::intermediate_layout lay = w::intermediate_layout::make(L, L);
+  ASSERT_GT(lay.value_elems(), std::int64_t{1} << 31);
+  const std::size_t nq = static_cast<std::size_t>(B * L * H * d), nkv = static_cast<std::size_t>(B * L * Hkv * d);
+  const std::size_t inter = static_cast<std::size_t>(B * H * (lay.value_elems() * 2 + lay.meta_words() * 4));
+  // 1 GiB on top: the pool grows in 2 MiB-or-larger steps, and the runtime keeps some memory of its own.
+  const std::size_t margin = std::size_t{1} << 30;
+  const std::size_t needed = inter + (nq + 2 * nkv) * sizeof(T) + nq * 4 + static_cast<std::size_t>(B * H * L) * 4 + margin;
+  std::size_t free_bytes = 0, total_bytes = 0;
+  CUDA_OK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes < needed) {
+    GTEST_SKIP() << "needs " << (needed >> 20) << " MiB of free GPU memory, the device has " << (free_bytes >> 20)
+                 << " MiB free of " << (total_bytes >> 20);
+  }
+  std::mt19937 rng(2024u);
+  std::uniform_int_distribution<int> small(-2, 2);
+  std::uniform_real_distribution<double> real(-1.0, 1.0);
+  std::vector<T> q(nq), k(nkv), v(nkv);
+  for (auto& x : q) x = dfss::from_double<T>(small(rng));
+  for (auto& x : k) x = dfss::from_double<T>(small(rng));
+  for (auto& x : v) x = dfss::from_double<T>(real(rng));
+  device_array<T> dq(nq), dk(nkv), dv(nkv);
+  device_array<float> dout(nq), dlse(static_cast<std::size_t>(B * H * L));
+  ASSERT_TRUE(dq.ptr && dk.ptr && dv.ptr && dout.ptr && dlse.ptr) << "cudaMalloc of the inputs failed";
+  CUDA_OK(cudaMemcpy(dq.ptr, q.data(), nq * sizeof(T), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dk.ptr, k.data(), nkv * sizeof(T), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dv.ptr, v.data(), nkv * sizeof(T), cudaMemcpyHostToDevice));
+  dfss::forward_args ga;
+  ga.q = dfss::make_view(dq.ptr, {B, L, H, d});
+  ga.k = dfss::make_view(dk.ptr, {B, L, Hkv, d});
+  ga.v = dfss::make_view(dv.ptr, {B, L, Hkv, d});
+  ga.out = dfss::make_view(dout.ptr, {B, L, H, d});
+  ga.lse = dfss::make_view(dlse.ptr, {B, H, L});
+  const dfss::status st = dfss::try_attention_forward(ga, cuda_config());
+  ASSERT_TRUE(st.ok()) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+
+  const double u = std::ldexp(1.0, -11);  // f16
+  double vmax = 0;
+  for (const T& x : v) vmax = std::max(vmax, std::fabs(dfss::to_double(x)));
+  for (std::int64_t h = 0; h < H; ++h) {
+    const std::int64_t hk = h / (H / Hkv);
+    for (const std::int64_t row : {std::int64_t{0}, std::int64_t{65472}, std::int64_t{65473}, L - 1}) {
+      SCOPED_TRACE("head " + std::to_string(h) + " row " + std::to_string(row));
+      const T* q_row = q.data() + (row * H + h) * d;
+      // The reference on this one query row against all keys of kv head hk.
+      std::vector<float> o_ref(static_cast<std::size_t>(d));
+      float lse_ref = 0;
+      dfss::forward_args ra;
+      ra.q = dfss::make_view(q_row, {1, 1, 1, d});
+      ra.k = dfss::make_strided_view(k.data() + hk * d, {1, L, 1, d}, {L * Hkv * d, Hkv * d, d, 1});
+      ra.v = dfss::make_strided_view(v.data() + hk * d, {1, L, 1, d}, {L * Hkv * d, Hkv * d, d, 1});
+      ra.out = dfss::make_view(o_ref.data(), {1, 1, 1, d});
+      ra.lse = dfss::make_view(&lse_ref, {1, 1, 1});
+      dfss::attention_config rc;
+      rc.backend = dfss::backend::reference;
+      dfss::attention_forward(ra, rc);
+      std::vector<float> o(static_cast<std::size_t>(d));
+      float lse = 0;
+      CUDA_OK(cudaMemcpy(o.data(), dout.ptr + (row * H + h) * d, static_cast<std::size_t>(d) * 4, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(&lse, dlse.ptr + h * L + row, 4, cudaMemcpyDeviceToHost));
+      double out_max = 0;
+      for (std::int64_t x = 0; x < d; ++x) {
+        const double err = std::fabs(static_cast<double>(o[static_cast<std::size_t>(x)]) - o_ref[static_cast<std::size_t>(x)]);
+        out_max = std::max(out_max, err);
+        EXPECT_LE(err, out_tolerance(u, vmax, L, true, o_ref[static_cast<std::size_t>(x)]))
+            << "out[" << x << "] = " << o[static_cast<std::size_t>(x)] << ", reference " << o_ref[static_cast<std::size_t>(x)];
+      }
+      const double lse_err = std::fabs(static_cast<double>(lse) - lse_ref);
+      EXPECT_LE(lse_err, lse_tolerance(u, L, lse_ref)) << "lse " << lse << ", reference " << lse_ref;
+      std::printf("case >2^31 head %lld row %lld: out max error %.3g, lse error %.3g\n", static_cast<long long>(h),
+                  static_cast<long long>(row), out_max, lse_err);
+    }
+  }
 }
 
 int main(int argc, char** argv) {

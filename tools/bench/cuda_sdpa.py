@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""PyTorch SDPA on the GPU for the grid of dfss_bench_cuda (tools/gpu-check.sh runs both).
+"""PyTorch SDPA on the GPU for the grid of dfss_bench_cuda, unforced; its shapes() is that grid for
+tools/gpu/sdpa_backends.py, which times every backend forced (what tools/gpu-check.sh and
+tools/gpu/device-run.sh run).
 
 Times torch.nn.functional.scaled_dot_product_attention (whatever backend PyTorch picks: flash,
 memory-efficient or cuDNN) on bf16 [B, H, L, d] CUDA tensors with CUDA events: `warmup` untimed

@@ -4,7 +4,8 @@
 # them: the GPU tests (linked against this machine's GoogleTest), dfss_gpu_probe and dfss_bench_cuda.
 # They land in BUILD_DIR/carry (default build-device/carry, git-ignored): bin/ with the binaries;
 # lib/ with the shared libraries a stock machine with a driver may lack (libcudart.so.13, and
-# libgomp.so.1 if linked); googletest/ (sources, for a rebuild there); BUILD-INFO.txt. libstdc++
+# libgomp.so.1 and libhwy.so.1, Google Highway's run-time part that the CPU kernels behind the
+# public API link, if linked); googletest/ (sources, for a rebuild there); BUILD-INFO.txt. libstdc++
 # stays the system's: linked statically, GCC 12's pulls in arc4random (glibc 2.36) and
 # _dl_find_object (2.35), while the dynamic one needs GLIBCXX_3.4.29 at most, which Ubuntu 22.04
 # (glibc 2.35, the oldest base of the CUDA 13 images) and newer have.
@@ -47,8 +48,8 @@ mkdir -p "$carry/bin" "$carry/lib"
 cp "$build/tests/cuda/test_nm_format_gpu" "$build/tests/cuda/test_attention_gpu" "$build/tests/cuda/dfss_gpu_probe" \
    "$build/bench/cuda/dfss_bench_cuda" "$carry/bin/"
 # The libraries to carry, resolved from the binaries' own dependencies on this machine: the CUDA
-# runtime always, the OpenMP runtime when the linker kept it.
-for lib in libcudart.so.13 libgomp.so.1; do
+# runtime always, the OpenMP runtime and Highway (38 KiB) when the linker kept them.
+for lib in libcudart.so.13 libgomp.so.1 libhwy.so.1; do
   path=$(for b in "$carry"/bin/*; do ldd "$b"; done | awk -v l="$lib" '$1 == l { print $3; exit }')
   if [ -n "$path" ]; then cp -L "$path" "$carry/lib/$lib"
   elif [ "$lib" = libcudart.so.13 ]; then echo "build-for-device: $lib not found by ldd"; exit 1; fi
@@ -81,7 +82,7 @@ for b in "$carry"/bin/*; do
         echo "    $lib: C library";;
       libgcc_s.so.1|libstdc++.so.6)  # the compiler runtime of every glibc system
         echo "    $lib: C++ runtime";;
-      libcudart.so.13|libgomp.so.1)
+      libcudart.so.13|libgomp.so.1|libhwy.so.1)
         case "$path" in "$carry"/lib/*|"$(cd "$carry/lib" && pwd)"/*) echo "    $lib: carried";;
           *) echo "    $lib: NOT resolved to carry/lib ($path)"; status=1;; esac;;
       libcublas.so.13|libcublasLt.so.13)

@@ -8,16 +8,18 @@
 #   probe     dfss_gpu_probe: mma.sp metadata lanes and bits, NaN at pruned rows, each kernel alone
 #             against the host, mma.sync vs mma.sp;
 #   tests     the GPU tests (test_nm_format_gpu, test_attention_gpu), every case with its max error;
-#   bench     dfss_bench_cuda --grid all (DFSS 2:4 and 1:2 vs the dense cuBLAS pipeline);
-#   sdpa      PyTorch SDPA with each backend forced (tools/gpu/sdpa_backends.py);
+#   bench     dfss_bench_cuda --grid all (DFSS 2:4 and 1:2, raw kernels and the public API, vs the
+#             dense cuBLAS pipeline; medians, TFLOP/s and GB/s);
+#   sdpa      PyTorch SDPA with each backend forced, and unforced (tools/gpu/sdpa_backends.py);
 #   ncu       Nsight Compute (--clock-control none) on one launch of each kernel, after a short probe
 #             of whether ncu can read the counters here at all;
 #   sanitize  compute-sanitizer memcheck and racecheck on small cases, after a short probe.
 # A tool that does not work on this kind of machine (ncu and compute-sanitizer fail under gVisor) is
 # skipped with the reason printed.
 #
-# Output: $OUT (or build-device/run-out) gets summary.txt, logs.tar.gz (every step's full log),
-# bench.json and ncu.ncu-rep when they were made: at most 4 of the 8 files a run brings back.
+# Output: $OUT (or build-device/run-out) gets summary.txt, logs.tar.gz (every step's full log), and
+# when they were made bench.json and bench.md (dfss_bench_cuda), sdpa.json and sdpa.md
+# (sdpa_backends.py), ncu.ncu-rep: at most 7 of the 8 files a run brings back.
 #
 # Usage: bash tools/gpu/device-run.sh [--build] [--budget SECONDS] [--carry DIR]
 #   --build   rebuild the binaries here first (cmake, nvcc; GoogleTest from the carried sources),
@@ -124,17 +126,19 @@ for t in test_nm_format_gpu test_attention_gpu; do
 done
 
 # ---- benchmark
-step bench.log 75 "${run_bin[@]}" "$bin/dfss_bench_cuda" --grid all --warmup 5 --iters 20 --json "$out/bench.json"
+step bench.log 75 "${run_bin[@]}" "$bin/dfss_bench_cuda" --grid all --warmup 5 --iters 20 --json "$out/bench.json" \
+  --markdown "$out/bench.md"
 say "bench: $(verdict) in ${secs} s"
-tail -n 25 "$logs/bench.log" | sed 's/^/  /' | tee -a "$summary"
+tail -n 40 "$logs/bench.log" | sed 's/^/  /' | tee -a "$summary"
 
 # ---- SDPA, each backend forced
-step sdpa.log 60 env PYTHONUNBUFFERED=1 python3 tools/gpu/sdpa_backends.py --grid all
+step sdpa.log 75 env PYTHONUNBUFFERED=1 python3 tools/gpu/sdpa_backends.py --grid all --warmup 3 --iters 10 \
+  --json "$out/sdpa.json" --markdown "$out/sdpa.md"
 say "sdpa: $(verdict) in ${secs} s$([ "$rc" -ne 0 ] && echo ": $(tail -n 1 "$logs/sdpa.log" | cut -c1-200)")"
 grep -E '^sdpa' "$logs/sdpa.log" | sed 's/^/  /' | tee -a "$summary"
 
 # ---- Nsight Compute: a few seconds to see whether it reads counters here, then the three kernels.
-kernels_re='regex:sddmm_select_kernel|softmax_compressed_kernel|spmm_kernel'
+kernels_re='regex:sddmm_select_kernel|spmm_kernel'
 if ! command -v ncu >/dev/null 2>&1; then
   say "ncu: not installed: skipped"
 else

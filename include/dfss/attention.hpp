@@ -154,7 +154,7 @@ enum class kernel_kind : int {
   cpu_fused_backward_avx2,
   cpu_fused_backward_scalar,
   cpu_fused_backward_portable,
-  cuda_three_stage_forward,  ///< SDDMM + register N:M selection -> compressed softmax -> mma.sp SpMM
+  cuda_three_stage_forward,  ///< SDDMM + register N:M selection (softmax folded in) -> mma.sp SpMM
   // The SIMD kernel family (src/cpu/simd/) on each Highway target; avx2 and portable (the baseline
   // target) keep the values above.
   cpu_fused_forward_sse4,

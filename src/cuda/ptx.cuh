@@ -77,6 +77,13 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* r
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(row_addr)));
 }
+/// ldmatrix_x4 on a shared-memory address held as an integer (kernels that keep precomputed
+/// per-lane offsets).
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t row_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row_addr));
+}
 /// ldmatrix.x4.trans: as ldmatrix_x4 with every 8x8 matrix transposed.
 __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const void* row_addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -29,6 +29,11 @@ using i64 = std::int64_t;
 // of the intermediates.
 constexpr int kThreads = 128;
 constexpr int kTileRows = 128;
+// CTAs per SM to plan registers for: for d = 64, 3 (at most 170 registers; left to itself ptxas
+// squeezes the 2:4 kernel into 128 with a spill, for 4 CTAs); for d = 128, 2 (at most 255: a cap of
+// 170 costs the sm_90 2:4 kernel about 20 more instructions per tile in moves).
+template <int D>
+constexpr int kMinCtasPerSm = D == 64 ? 3 : 2;
 // Keys per pipeline step: two 32-key units per warp, and the intermediate layout's key padding (64),
 // so a step never reaches past a slice.
 constexpr int kStepKeys = 64;
@@ -46,18 +51,19 @@ struct warp_rows {
   float run_max[2][2];        // M so far
 };
 
+// @p unit_smem: shared-memory address of the unit's first K row; @p b_off[jp]: the lane's ldmatrix
+// offset (bytes) for n8 tiles 2 jp, 2 jp + 1 at head-dim column 0 (ldsm_sddmm16_b_x4).
 template <typename T, int D, warp::sp_pattern P, bool Masked>
-__device__ __forceinline__ void sddmm_unit(const pipeline_args& a, const T (*ks)[D + kPad], int lane,
-                                           warp_rows& w, i64 ukey0, T* values, std::uint32_t* meta,
-                                           float* tile_max) {
+__device__ __forceinline__ void sddmm_unit(const pipeline_args& a, std::uint32_t unit_smem,
+                                           const std::uint32_t (&b_off)[2], int lane, warp_rows& w, i64 ukey0,
+                                           T* values, std::uint32_t* meta, float* tile_max) {
   float acc[2][4][4] = {};
   DFSS_UNROLL
   for (int kk = 0; kk < D; kk += 16) {
     DFSS_UNROLL
     for (int jp = 0; jp < 2; ++jp) {
-      const warp::smem_coord at = warp::ldsm_sddmm16_b_x4(lane, jp);
       std::uint32_t bf[4];
-      ptx::ldmatrix_x4(bf, &ks[at.row][kk + at.col]);
+      ptx::ldmatrix_x4(bf, unit_smem + b_off[jp] + kk * static_cast<std::uint32_t>(sizeof(T)));
       DFSS_UNROLL
       for (int i = 0; i < 2; ++i) {
         ptx::mma_m16n8k16<T>(acc[i][2 * jp], w.qf[i][kk / 16], bf[0], bf[1]);
@@ -74,9 +80,11 @@ __device__ __forceinline__ void sddmm_unit(const pipeline_args& a, const T (*ks)
     }
     warp::mask_unit16_relative(acc, lane, end);
   }
-  // Row maxima over the quad (NaN-propagating), then the references the weights are taken against.
+  const warp::unit16_selection<float> sel = warp::select_unit16_no_nan(acc, lane, P);
+  // Row maxima from the kept values, over the quad (NaN-propagating), then the references the
+  // weights are taken against.
   float m[2][2];
-  warp::unit16_lane_row_max(acc, m);
+  warp::unit16_lane_row_max(sel, m);
   float ref[2][2];
   DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
@@ -88,7 +96,6 @@ __device__ __forceinline__ void sddmm_unit(const pipeline_args& a, const T (*ks)
       ref[i][rh] = warp::fold_reference(m[i][rh]);
     }
   }
-  const warp::unit16_selection<float> sel = warp::select_unit16_no_nan(acc, lane, P);
   // Element e = 4 h + 2 rh + slot of the fragment is row half rh: registers 0, 2 row g, 1, 3 row g + 8.
   DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
@@ -108,7 +115,7 @@ __device__ __forceinline__ void sddmm_unit(const pipeline_args& a, const T (*ks)
 }
 
 template <typename T, int D, warp::sp_pattern P>
-__global__ void __launch_bounds__(kThreads) sddmm_select_kernel(pipeline_args a) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<D>) sddmm_select_kernel(pipeline_args a) {
   static_assert(D % 16 == 0 && D <= 128, "head dim: a multiple of the mma k step, at most 128");
   __shared__ __align__(16) T ks[kStages][kStepKeys][D + kPad];
 
@@ -155,34 +162,47 @@ __global__ void __launch_bounds__(kThreads) sddmm_select_kernel(pipeline_args a)
 
   // The copy: each thread moves the same 16-byte chunks of every step (rows r0 + kPassRows it,
   // column col), into rows permuted within each unit (sddmm16_smem_row_of_key); keys past Lk are
-  // zero-filled. Shared addresses are computed once; a step adds one offset to the global address
+  // zero-filled. Shared addresses are computed once; each step advances one global address
   // (integer arithmetic: a chunk past Lk forms an address that is never read).
   constexpr int kChunks = D / 8;
   constexpr int kPassRows = kThreads / kChunks;
   constexpr int kCopies = kStepKeys / kPassRows;
   static_assert(kThreads % kChunks == 0 && kStepKeys % kPassRows == 0, "the step divides evenly over the threads");
   constexpr std::uint32_t kStageBytes = sizeof(ks[0]);
+  static_assert(kPassRows % 8 == 0, "chunk rows r0 + kPassRows it: the permuted row is a sum (sddmm16_smem_row)");
   const int r0 = tid / kChunks;
   const int col = (tid % kChunks) * 8;
-  std::uint32_t dst[kCopies];
-  DFSS_UNROLL
-  for (int it = 0; it < kCopies; ++it) {
-    const int r = r0 + kPassRows * it;
-    dst[it] = ptx::smem_addr(&ks[0][32 * (r / 32) + warp::sddmm16_smem_row_of_key(r % 32)][col]);
-  }
+  // Chunk it's row: sddmm16_smem_row(r0 % 8) + sddmm16_smem_row(r0 - r0 % 8 + kPassRows it), the
+  // second a constant once `it` is unrolled, so one register holds every chunk's address.
+  const std::uint32_t dst0 = ptx::smem_addr(&ks[0][warp::sddmm16_smem_row(r0 % 8)][col]);
+  const auto dst_off = [&](int it) {
+    return static_cast<std::uint32_t>(warp::sddmm16_smem_row(r0 - r0 % 8 + kPassRows * it) * (D + kPad) * sizeof(T));
+  };
   const T* k = static_cast<const T*>(a.k) + b * a.k_stride[0] + hkv * a.k_stride[2];
-  const std::uint64_t src0 = reinterpret_cast<std::uint64_t>(k) + static_cast<std::uint64_t>(r0 * a.k_stride[1] + col) * sizeof(T);
+  // The next step's global address and how many of this thread's chunk rows exist from there.
+  std::uint64_t src = reinterpret_cast<std::uint64_t>(k) + static_cast<std::uint64_t>(r0 * a.k_stride[1] + col) * sizeof(T);
+  i64 left = a.seqlen_k - r0;
   const std::uint64_t step_bytes = static_cast<std::uint64_t>(kStepKeys * a.k_stride[1]) * sizeof(T);
   const std::uint64_t pass_bytes = static_cast<std::uint64_t>(kPassRows * a.k_stride[1]) * sizeof(T);
-  auto load_step = [&](int stage, i64 step) {
-    const i64 left = a.seqlen_k - step * kStepKeys - r0;  // rows of this thread's chunks that exist
-    const std::uint64_t src = src0 + static_cast<std::uint64_t>(step) * step_bytes;
+  auto load_next = [&](int stage) {
+    const int rows = left < kStepKeys ? static_cast<int>(left) : kStepKeys;  // 32-bit compares below
     DFSS_UNROLL
     for (int it = 0; it < kCopies; ++it) {
-      ptx::cp_async_16(dst[it] + static_cast<std::uint32_t>(stage) * kStageBytes, src + it * pass_bytes,
-                       kPassRows * it < left);
+      ptx::cp_async_16(dst0 + dst_off(it) + static_cast<std::uint32_t>(stage) * kStageBytes, src + it * pass_bytes,
+                       kPassRows * it < rows);
     }
+    src += step_bytes;
+    left -= kStepKeys;
   };
+  // The lane's ldmatrix offsets within a unit, and the stages' addresses.
+  std::uint32_t b_off[2];
+  DFSS_UNROLL
+  for (int jp = 0; jp < 2; ++jp) {
+    const warp::smem_coord at = warp::ldsm_sddmm16_b_x4(lane, jp);
+    b_off[jp] = static_cast<std::uint32_t>((at.row * (D + kPad) + at.col) * sizeof(T));
+  }
+  const std::uint32_t ks_smem = ptx::smem_addr(&ks[0][0][0]);
+  constexpr std::uint32_t kUnitBytes = 32 * (D + kPad) * sizeof(T);
 
   // Output pointers of the warp's first unit; every unit advances them by constant strides.
   const i64 row_block = wrow0 / 32;
@@ -194,20 +214,21 @@ __global__ void __launch_bounds__(kThreads) sddmm_select_kernel(pipeline_args a)
   constexpr i64 kValueStride = 2 * 32 * 8;  // elements per unit (fold_value_offset)
   const i64 meta_stride = a.layout.rows_padded;
 
-  if (steps > 0) load_step(0, 0);
+  if (steps > 0) load_next(0);
   ptx::cp_async_commit();
   auto run = [&](auto masked, i64 s_begin, i64 s_end) {
     for (i64 s = s_begin; s < s_end; ++s) {
       const int stage = static_cast<int>(s & 1);
-      if (s + 1 < steps) load_step(stage ^ 1, s + 1);
+      if (s + 1 < steps) load_next(stage ^ 1);
       ptx::cp_async_commit();
       ptx::cp_async_wait<1>();
       __syncthreads();
       // Not unrolled: the two units' epilogues would interleave and double the live accumulators.
 #pragma unroll 1
       for (int u = 0; u < 2; ++u) {
-        sddmm_unit<T, D, P, decltype(masked)::value>(a, &ks[stage][32 * u], lane, w, s * kStepKeys + 32 * u,
-                                                     values, meta, tile_max);
+        sddmm_unit<T, D, P, decltype(masked)::value>(a, ks_smem + static_cast<std::uint32_t>(stage) * kStageBytes +
+                                                            static_cast<std::uint32_t>(u) * kUnitBytes,
+                                                     b_off, lane, w, s * kStepKeys + 32 * u, values, meta, tile_max);
         values += kValueStride;
         meta += meta_stride;
         tile_max += 32;

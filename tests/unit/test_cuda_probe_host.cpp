@@ -238,7 +238,7 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng,
           }
         }
         w::mask_unit16_relative(acc[lane], lane, end);
-        w::unit16_lane_row_max(acc[lane], m[lane]);
+        w::unit16_lane_row_max(w::select_unit16_no_nan(acc[lane], lane, p), m[lane]);
       }
       w::host_warp::u32 bits[2][2] = {};
       for (int lane = 0; lane < 32; ++lane) {

@@ -290,14 +290,18 @@ void check_unit16(const std::vector<float>& s, w::sp_pattern p, bool check_produ
   dfss::nm_metadata_reorder(words.data(), 32, 32, reordered.data());
 
   // (a) kept values: every lane's sparse A element at its (row, compressed col) equals the format
-  // module's compressed value there (so the kept set and its order agree).
+  // module's compressed value there (so the kept set and its order agree). The no-NaN rule takes a
+  // pair's value as its maximum, which may return +0 for a kept -0 (or the reverse) in a tie of
+  // zeros: the same weight exp2(0 - m), and the metadata (b) still names the exact key, so there
+  // the values are compared as numbers.
   for (int i = 0; i < 2; ++i) {
     for (int lane = 0; lane < 32; ++lane) {
       for (int e = 0; e < 8; ++e) {
         const w::frag_coord c = w::mma_sp_a16_coord(lane, e);
         const float want = values[static_cast<std::size_t>((16 * i + c.row) * 16 + c.col)];
         const float got = run.a[static_cast<std::size_t>(i)][static_cast<std::size_t>(lane)][static_cast<std::size_t>(e)];
-        ASSERT_TRUE(same_float(got, want)) << "tile " << i << " lane " << lane << " e " << e << ": " << got << " vs " << want;
+        ASSERT_TRUE(no_nan ? (got == want || (std::isnan(got) && std::isnan(want))) : same_float(got, want))
+            << "tile " << i << " lane " << lane << " e " << e << ": " << got << " vs " << want;
       }
     }
   }
@@ -394,7 +398,7 @@ TEST(CudaWarpSelect16, InfAndNaNTiles) {
 
 TEST(CudaWarpSelect16, NoNanRuleWithInfinitiesAndSignedZeros) {
   // The kernel's rule equals the general ranking on every NaN-free input, infinities, ties of
-  // -inf and +-0 included; with NaN it still yields legal nibbles (the row's output is NaN anyway).
+  // -inf and +-0 included; with NaN it still yields legal nibbles and keeps a NaN value.
   std::mt19937_64 rng(seed_for("nonan16"));
   for (int rep = 0; rep < 100; ++rep) {
     std::vector<float> s = make_tile(rng, 32, 32, tile_kind::ties_inf_nan);
@@ -408,6 +412,31 @@ TEST(CudaWarpSelect16, NoNanRuleWithInfinitiesAndSignedZeros) {
       const unit16_run run = run_unit16(s, p, true);
       for (std::uint32_t m : run.meta) {
         for (int q = 0; q < 8; ++q) ASSERT_TRUE(dfss::is_legal_ordered_nibble((m >> (4 * q)) & 0xFu));
+      }
+      // A group (a pair for 1:2) holding a NaN keeps a NaN value: the row maximum over kept values
+      // is then NaN, which makes the row NaN.
+      for (int i = 0; i < 2; ++i) {
+        for (int lane = 0; lane < 32; ++lane) {
+          for (int e = 0; e < 8; e += 2) {
+            const w::frag_coord c = w::mma_sp_a16_coord(lane, e);
+            const int row = 16 * i + c.row, group = c.col / 2;
+            const float* g = &s[static_cast<std::size_t>(row * 32 + 4 * group)];
+            const auto& a = run.a[static_cast<std::size_t>(i)][static_cast<std::size_t>(lane)];
+            const bool kept_nan = std::isnan(a[static_cast<std::size_t>(e)]) || std::isnan(a[static_cast<std::size_t>(e + 1)]);
+            if (p == w::sp_pattern::p2of4) {
+              if (std::isnan(g[0]) || std::isnan(g[1]) || std::isnan(g[2]) || std::isnan(g[3])) {
+                ASSERT_TRUE(kept_nan);
+              }
+            } else {
+              if (std::isnan(g[0]) || std::isnan(g[1])) {
+                ASSERT_TRUE(std::isnan(a[static_cast<std::size_t>(e)]));
+              }
+              if (std::isnan(g[2]) || std::isnan(g[3])) {
+                ASSERT_TRUE(std::isnan(a[static_cast<std::size_t>(e + 1)]));
+              }
+            }
+          }
+        }
       }
     }
   }

@@ -26,6 +26,11 @@ struct smem_coord {
 /// spreads over distinct banks (key-order storage with permuted addresses cost a 2-way conflict).
 DFSS_HD int sddmm16_smem_row_of_key(int k) { return sddmm16_column_of_key(k); }
 
+/// @brief Shared-memory row of key @p r (0..63) of a 64-key step: its unit's rows, permuted within the
+/// unit. The permutation only moves bits 1..4 of r, so for r = r0 + p with r0 < 8 and p a multiple
+/// of 8 the row is sddmm16_smem_row(r0) + sddmm16_smem_row(p): the copy adds a constant per chunk.
+DFSS_HD int sddmm16_smem_row(int r) { return 32 * (r / 32) + sddmm16_smem_row_of_key(r % 32); }
+
 /// @brief ldmatrix.x4 of the SDDMM's K tile (rows in accumulator-column order, see
 /// sddmm16_smem_row_of_key) for n8 tiles 2 jp and 2 jp + 1 of a 16-bit unit: matrix m = lane / 8 is
 /// n8 tile 2 jp + m / 2, k half m % 2; its row lane % 8 is accumulator column 8 (2 jp + m / 2) +

@@ -15,7 +15,8 @@
 //   Special rows: a NaN visible score makes m_t and M NaN, hence every weight, O and LSE NaN; a row
 //     with no visible key has L = 0: O = 0, LSE = -inf; +inf makes exp2(inf - inf) = NaN.
 // The selection needs no NaN path: a row with a NaN has NaN output whatever was kept, and this
-// backend does not export the kept set (the fast rule below still yields legal metadata).
+// backend does not export the kept set; the fast rule below keeps a NaN among the kept values (so
+// the row maximum, taken over kept values, sees it) and yields legal metadata.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +45,16 @@ DFSS_HD float max_nan(float a, float b) {
 #endif
 }
 
+/// min of two floats that ignores one NaN (fminf: one FMNMX instruction on the device), std::fmin
+/// on the host, which behaves the same.
+DFSS_HD float min_num(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fminf(a, b);
+#else
+  return std::fmin(a, b);
+#endif
+}
+
 /// 2^x: ex2.approx.ftz on the device (one MUFU instruction, about 2 ulp; results below 2^-126
 /// flush to 0, below the 16-bit types' smallest normals anyway), std::exp2 on the host.
 DFSS_HD float fold_exp2(float x) {
@@ -56,29 +67,33 @@ DFSS_HD float fold_exp2(float x) {
 #endif
 }
 
-/// @brief 2:4 selection of one group without NaN, as nm_select_2of4 ranks (ties to the lower
-/// index): the larger of each pair (w0 of keys 0-1, w1 of keys 2-3) is kept unless the smaller of
-/// the other pair outranks it. 4 compares and 4 selects instead of the generic 6 rankings. Gives
-/// the two kept values in key order and the group's legal 2:4 nibble; with a NaN in @p s the kept
-/// set is unspecified but the nibble is still legal.
+/// @brief 2:4 selection of one group, ranked as nm_select_2of4 ranks (ties to the lower index) when
+/// no score is NaN: the larger of each pair (w0 of keys 0-1, w1 of keys 2-3) is kept unless the
+/// smaller of the other pair outranks it (a min that ignores one NaN, so a pair's lone NaN is its
+/// maximum only). 4 compares, 4 min/max and 4 selects instead of the
+/// generic 6 rankings. Gives the two kept values in key order and the group's legal 2:4 nibble.
+/// With a NaN in @p s the nibble is still legal and a NaN is among the kept values (the pair
+/// maxima propagate NaN), so the row's maximum over kept values is NaN, as the fold needs; which
+/// key the nibble names is then unspecified (the row's output is NaN whatever is kept).
 template <typename T>
 DFSS_HD void select_2of4_no_nan(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) {
   const bool c01 = s[0] >= s[1];  // key 0 outranks key 1 (a tie goes to the lower index)
   const bool c23 = s[2] >= s[3];
-  const T w0 = c01 ? s[0] : s[1];
-  const T l0 = c01 ? s[1] : s[0];
-  const T w1 = c23 ? s[2] : s[3];
-  const T l1 = c23 ? s[3] : s[2];
-  const bool both0 = l0 >= w1;  // keys 0 and 1 kept: l0 (lower index) outranks w1
-  const bool both1 = l1 > w0;   // keys 2 and 3 kept: l1 (higher index) outranks w0
+  const T w0 = max_nan(s[0], s[1]);
+  const T l0 = min_num(s[0], s[1]);
+  const T w1 = max_nan(s[2], s[3]);
+  const T l1 = min_num(s[2], s[3]);
+  const bool both0 = l0 >= w1;  // keys 0 and 1 kept: l0 (lower index) outranks w1 (false if w1 is NaN)
+  const bool both1 = l1 > w0;   // keys 2 and 3 kept: l1 (higher index) outranks w0 (false if w0 is NaN)
   lo = both0 ? s[0] : (both1 ? s[2] : w0);
   hi = both0 ? s[1] : (both1 ? s[3] : w1);
   const std::uint32_t winners = (c01 ? 0u : 1u) | (c23 ? 8u : 12u);  // index a | (2 + b) << 2
   nibble = both0 ? 0x4u : (both1 ? 0xEu : winners);
 }
 
-/// @brief select_unit16 for inputs without NaN (with NaN: legal metadata, unspecified kept set):
-/// the SDDMM's selection. 1:2 keeps key 1 of a pair iff it is strictly greater.
+/// @brief select_unit16 for inputs without NaN (with NaN: legal metadata, a NaN among the kept
+/// values of its group, the kept keys unspecified): the SDDMM's selection. 1:2 keeps key 1 of a
+/// pair iff it is strictly greater; the kept value is the pair's NaN-propagating maximum.
 template <typename T>
 DFSS_HD unit16_selection<T> select_unit16_no_nan(const T (&acc)[2][4][4], int lane, sp_pattern p) {
   unit16_selection<T> out{};
@@ -87,6 +102,9 @@ DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
 DFSS_UNROLL
     for (int h = 0; h < 2; ++h) {
+      // Both row halves' nibbles at their constant positions (bits 0 and 16), then one shift by the
+      // lane's 4 t: the selects then pick pre-shifted constants.
+      std::uint32_t bits = 0;
 DFSS_UNROLL
       for (int rh = 0; rh < 2; ++rh) {
         const T s[4] = {acc[i][2 * h][2 * rh], acc[i][2 * h][2 * rh + 1], acc[i][2 * h + 1][2 * rh],
@@ -97,31 +115,32 @@ DFSS_UNROLL
         if (p == sp_pattern::p1of2) {
           const bool b0 = s[1] > s[0];
           const bool b1 = s[3] > s[2];
-          lo = b0 ? s[1] : s[0];
-          hi = b1 ? s[3] : s[2];
+          lo = max_nan(s[0], s[1]);
+          hi = max_nan(s[2], s[3]);
           nibble = (b0 ? 1u : 0u) | (b1 ? 12u : 8u);
         } else {
           select_2of4_no_nan(s, lo, hi, nibble);
         }
-        out.meta_bits[i][h] |= nibble << (16 * rh + 4 * t);
+        bits |= nibble << (16 * rh);
       }
+      out.meta_bits[i][h] = bits << (4 * t);
     }
   }
   return out;
 }
 
-/// @brief Lane @p lane's part of each row maximum of a unit: m[i][rh] = NaN-propagating max of the
-/// lane's 8 scores of row 16 i + 8 rh + g. The row's maximum is the max over its quad.
+/// @brief Lane @p lane's part of each row maximum of a unit, from its kept values (the maximum of a
+/// group is always kept, and a NaN is kept where there is one): m[i][rh] = NaN-propagating max of
+/// the lane's 4 kept values of row 16 i + 8 rh + g (fragment elements 4 h + 2 rh + slot). The row's
+/// maximum is the max over its quad.
 template <typename T>
-DFSS_HD void unit16_lane_row_max(const T (&acc)[2][4][4], T (&m)[2][2]) {
+DFSS_HD void unit16_lane_row_max(const unit16_selection<T>& sel, T (&m)[2][2]) {
 DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
 DFSS_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      T x = max_nan(acc[i][0][2 * rh], acc[i][0][2 * rh + 1]);
-DFSS_UNROLL
-      for (int j = 1; j < 4; ++j) x = max_nan(x, max_nan(acc[i][j][2 * rh], acc[i][j][2 * rh + 1]));
-      m[i][rh] = x;
+      m[i][rh] = max_nan(max_nan(sel.a[i][2 * rh], sel.a[i][2 * rh + 1]),
+                         max_nan(sel.a[i][4 + 2 * rh], sel.a[i][4 + 2 * rh + 1]));
     }
   }
 }

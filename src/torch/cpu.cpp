@@ -1,6 +1,13 @@
 // src/torch/cpu.cpp: the CPU kernels of torch.ops.dfss.attention: argument checks with the
 // operator's own argument names, then dfss::attention_forward / attention_backward on strided views
 // of the tensors (no copies: dfss takes any element strides).
+//
+// The device-independent half of every kernel lives here too and is declared in ops.hpp: the
+// checks, the translation of tensors and arguments into dfss's views and config (make_config,
+// run_forward) and the error translation (rethrow). The CUDA forward (cuda.cpp) and the Meta
+// kernels call it, so the CPU tests exercise the code the CUDA kernel runs up to the device. Not a
+// file of its own: every translation unit that includes the torch headers costs 20-40 s per build
+// of the extension, and the Python tests build it twice per CI run.
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -12,6 +19,20 @@
 #include "ops.hpp"
 
 namespace dfss::torch_ops {
+
+const char* type_name(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return "float64";
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
 namespace {
 
 constexpr const char* kForward = "dfss.attention";
@@ -37,18 +58,11 @@ void check_tensor(const char* op, c10::DeviceType device, const char* name, cons
                     ", got ", t.dim(), " dimensions with shape ", shape_of(t));
 }
 
-/// Python's names ("float32"), which is what most callers of the operator write.
-const char* type_name(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble: return "float64";
-    case at::kFloat: return "float32";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    case at::kInt: return "int32";
-    case at::kLong: return "int64";
-    case at::kBool: return "bool";
-    default: return c10::toString(t);
-  }
+/// Every tensor on q's device: on one device type, the device index still has to match (cuda:0 and
+/// cuda:1); the kernel runs on q's device.
+void check_same_device(const char* op, const at::Tensor& q, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.device() == q.device(), op, ": argument '", name, "': expected a tensor on ", q.device(),
+              " (the device of 'q'), got a tensor on ", t.device());
 }
 
 bool is_attention_float(at::ScalarType t) {
@@ -69,6 +83,8 @@ void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, c
   check_tensor(op, device, "q", q, 4, "[B, Lq, H, d]");
   check_tensor(op, device, "k", k, 4, "[B, Lk, Hkv, d]");
   check_tensor(op, device, "v", v, 4, "[B, Lk, Hkv, d]");
+  check_same_device(op, q, "k", k);
+  check_same_device(op, q, "v", v);
   TORCH_CHECK_VALUE(is_attention_float(q.scalar_type()), op,
                     ": argument 'q': expected dtype float64, float32, float16 or bfloat16, got ",
                     type_name(q.scalar_type()));
@@ -87,6 +103,7 @@ void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, c
   if (key_lengths.has_value() && key_lengths->defined()) {
     const at::Tensor& kl = *key_lengths;
     check_tensor(op, device, "key_lengths", kl, 1, "[B]");
+    check_same_device(op, q, "key_lengths", kl);
     TORCH_CHECK_VALUE(kl.scalar_type() == at::kInt || kl.scalar_type() == at::kLong, op,
                       ": argument 'key_lengths': expected dtype int32 or int64, got ", type_name(kl.scalar_type()));
     check_dim(op, "key_lengths", kl, 0, "batch", q.size(0));
@@ -94,6 +111,7 @@ void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, c
   if (query_offset.has_value() && query_offset->defined()) {
     const at::Tensor& qo = *query_offset;
     check_tensor(op, device, "query_offset", qo, 1, "[B]");
+    check_same_device(op, q, "query_offset", qo);
     TORCH_CHECK_VALUE(qo.scalar_type() == at::kInt || qo.scalar_type() == at::kLong, op,
                       ": argument 'query_offset': expected dtype int32 or int64, got ", type_name(qo.scalar_type()));
     check_dim(op, "query_offset", qo, 0, "batch", q.size(0));
@@ -101,6 +119,7 @@ void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, c
   if (attn_bias.has_value() && attn_bias->defined()) {
     const at::Tensor& b = *attn_bias;
     check_tensor(op, device, "attn_bias", b, 4, "[B or 1, H or 1, Lq, Lk]");
+    check_same_device(op, q, "attn_bias", b);
     TORCH_CHECK_VALUE(is_attention_float(b.scalar_type()), op,
                       ": argument 'attn_bias': expected dtype float64, float32, float16 or bfloat16, got ",
                       type_name(b.scalar_type()));
@@ -135,8 +154,6 @@ void check_inputs(const char* op, c10::DeviceType device, const at::Tensor& q, c
   TORCH_CHECK(false, op, ": ", msg);
 }
 
-namespace {
-
 dfss::attention_config make_config(const char* op, c10::string_view pattern, bool causal,
                                    c10::optional<double> scale, std::int64_t key_offset, std::int64_t sink_tokens,
                                    std::int64_t recent_tokens) {
@@ -160,6 +177,8 @@ dfss::attention_config make_config(const char* op, c10::string_view pattern, boo
   config.num_threads = at::get_num_threads();
   return config;
 }
+
+namespace {
 
 dfss::dtype dfss_type(at::ScalarType t) {
   switch (t) {
@@ -202,25 +221,25 @@ void check_backward_inputs(const char* op, c10::DeviceType device, const at::Ten
   check_tensor(op, device, "dout", dout, 4, "[B, Lq, H, d]");
   check_tensor(op, device, "out", out, 4, "[B, Lq, H, d]");
   check_tensor(op, device, "lse", lse, 3, "[B, H, Lq]");
+  check_same_device(op, q, "dout", dout);
+  check_same_device(op, q, "out", out);
+  check_same_device(op, q, "lse", lse);
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), op, ": argument 'dout': expected the shape of 'q' ", shape_of(q),
                     ", got ", shape_of(dout));
   if (dlse.has_value() && dlse->defined()) {
     check_tensor(op, device, "dlse", *dlse, 3, "[B, H, Lq]");
+    check_same_device(op, q, "dlse", *dlse);
     TORCH_CHECK_VALUE(dlse->sizes() == lse.sizes(), op, ": argument 'dlse': expected the shape of 'lse' ",
                       shape_of(lse), ", got ", shape_of(*dlse));
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                 const at::Tensor& v, c10::string_view pattern,
-                                                 bool causal, c10::optional<double> scale,
-                                                 const optional_tensor& key_lengths,
-                                                 const optional_tensor& attn_bias, std::int64_t key_offset,
-                                                 const optional_tensor& query_offset, std::int64_t sink_tokens,
-                                                 std::int64_t recent_tokens) {
-  check_inputs(kForward, c10::DeviceType::CPU, q, k, v, key_lengths, attn_bias, query_offset);
-  const dfss::attention_config config =
-      make_config(kForward, pattern, causal, scale, key_offset, sink_tokens, recent_tokens);
+std::tuple<at::Tensor, at::Tensor> run_forward(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, const optional_tensor& key_lengths,
+                                               const optional_tensor& attn_bias, const optional_tensor& query_offset,
+                                               const dfss::attention_config& config) {
+  // q's options: the outputs live on q's device (and for CUDA, on the caller's current stream's
+  // allocator); dfss writes every element, so they are not initialised here.
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_type(q)));
   if (q.numel() == 0) return {out, lse};
@@ -242,9 +261,22 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   try {
     dfss::attention_forward(a, config);
   } catch (const dfss::error& e) {
-    rethrow(kForward, e);
+    rethrow(op, e);
   }
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, c10::string_view pattern,
+                                                 bool causal, c10::optional<double> scale,
+                                                 const optional_tensor& key_lengths,
+                                                 const optional_tensor& attn_bias, std::int64_t key_offset,
+                                                 const optional_tensor& query_offset, std::int64_t sink_tokens,
+                                                 std::int64_t recent_tokens) {
+  check_inputs(kForward, c10::DeviceType::CPU, q, k, v, key_lengths, attn_bias, query_offset);
+  const dfss::attention_config config =
+      make_config(kForward, pattern, causal, scale, key_offset, sink_tokens, recent_tokens);
+  return run_forward(kForward, q, k, v, key_lengths, attn_bias, query_offset, config);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(

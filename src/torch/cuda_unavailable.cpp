@@ -1,6 +1,7 @@
-// src/torch/cuda_unavailable.cpp: the CUDA kernels of torch.ops.dfss.attention for a dfss without
-// CUDA attention kernels (all builds today): a clear RuntimeError naming the first CUDA argument.
-// A CUDA implementation replaces this file's registration with its own TORCH_LIBRARY_IMPL(dfss, CUDA).
+// src/torch/cuda_unavailable.cpp: the CUDA kernels of torch.ops.dfss.attention for a build without
+// CUDA kernels (a torch without CUDA, no CUDA toolkit, a dfss core without the CUDA backend, or the
+// CMake-built dfss_torch library): a clear RuntimeError naming the first CUDA argument. Builds with
+// CUDA compile cuda.cpp instead (setup.py decides).
 #include <initializer_list>
 #include <utility>
 
@@ -16,10 +17,10 @@ namespace {
   for (const auto& [name, t] : tensors) {
     if (t->defined() && !t->device().is_cpu()) {
       TORCH_CHECK(false, op, ": argument '", name, "': expected a CPU tensor, got a tensor on ", t->device(),
-                  " (this dfss build has no CUDA kernels yet; move the inputs to the CPU)");
+                   " (this dfss build has no CUDA kernels; move the inputs to the CPU, or build dfss with CUDA)");
     }
   }
-  TORCH_CHECK(false, op, ": this dfss build has no CUDA kernels yet; move the inputs to the CPU");
+  TORCH_CHECK(false, op, ": this dfss build has no CUDA kernels; move the inputs to the CPU, or build dfss with CUDA");
 }
 
 const at::Tensor& or_undefined(const optional_tensor& t) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The transformers integration (tests/python/test_transformers.py) and the BERT patch
-# (test_modules.py) against PyPI torch 2.x and a pinned transformers, in the venv of
+# The transformers integration (tests/python/test_transformers.py), the BERT patch
+# (test_modules.py) and the operator's CUDA kernels (test_cuda.py) against PyPI torch 2.x and a
+# pinned transformers, in the venv of
 # tools/scripts/torch2-venv.sh (cached outside the build tree, shared with `dfss bench`).
 # Usage: run_pytest_torch2.sh SOURCE_DIR WORK_DIR [CORE_LIBRARY]
 # 1. the venv: used as it is when it imports torch, transformers and pytest; otherwise
@@ -11,7 +12,9 @@
 #    the venv itself is left untouched, and WORK_DIR/build is kept between runs, so a rebuild only
 #    compiles what changed. CORE_LIBRARY (optional): a prebuilt libdfss.a to link instead of
 #    building the core again (used when its C++ ABI matches the venv's torch).
-# 3. pytest with PYTHONPATH=WORK_DIR/site.
+# 3. pytest with PYTHONPATH=WORK_DIR/site, and test_cuda.py: PyPI torch is a CUDA build, so with a
+#    core that has the CUDA backend the operator's CUDA kernels (src/torch/cuda.cpp) are compiled
+#    here, and their host side is tested (the GPU side skips without a GPU).
 set -euo pipefail
 src=$1 work=$2 core=${3:-}
 missing=77
@@ -50,4 +53,4 @@ echo "pip install: $(( $(date +%s) - start )) s"
 cd "$work"
 export PYTHONPATH="$work/site"
 exec "$py" -m pytest -q -rs -p no:cacheprovider "$src/tests/python/test_transformers.py" \
-  "$src/tests/python/test_modules.py"
+  "$src/tests/python/test_modules.py" "$src/tests/python/test_cuda.py"

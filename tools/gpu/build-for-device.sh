@@ -3,9 +3,11 @@
 # run needs, so the device machine (no GoogleTest, no package registry, 15 minutes in all) only runs
 # them: the GPU tests (linked against this machine's GoogleTest), dfss_gpu_probe and dfss_bench_cuda.
 # They land in BUILD_DIR/carry (default build-device/carry, git-ignored): bin/ with the binaries;
-# lib/ with the shared libraries a stock machine with a driver may lack (libcudart.so.13, and
-# libgomp.so.1 and libhwy.so.1, Google Highway's run-time part that the CPU kernels behind the
-# public API link, if linked); googletest/ (sources, for a rebuild there); BUILD-INFO.txt. libstdc++
+# lib/ with the shared libraries a stock machine with a driver may lack (libcudart.so.13, Google
+# Highway's libhwy.so.1, and libgomp.so.1 if linked); core/libdfss.a, the static dfss core with the
+# CUDA backend, which device-run.sh links into the torch operator it builds there against the
+# device's own torch (an extension built here, against another torch, would not load there);
+# googletest/ (sources, for a rebuild there); BUILD-INFO.txt. libstdc++
 # stays the system's: linked statically, GCC 12's pulls in arc4random (glibc 2.36) and
 # _dl_find_object (2.35), while the dynamic one needs GLIBCXX_3.4.29 at most, which Ubuntu 22.04
 # (glibc 2.35, the oldest base of the CUDA 13 images) and newer have.
@@ -44,15 +46,17 @@ cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 
 carry="$build/carry"
 rm -rf "$carry"
-mkdir -p "$carry/bin" "$carry/lib"
+mkdir -p "$carry/bin" "$carry/lib" "$carry/core"
 cp "$build/tests/cuda/test_nm_format_gpu" "$build/tests/cuda/test_attention_gpu" "$build/tests/cuda/dfss_gpu_probe" \
    "$build/bench/cuda/dfss_bench_cuda" "$carry/bin/"
+cp "$build/src/libdfss.a" "$carry/core/"
 # The libraries to carry, resolved from the binaries' own dependencies on this machine: the CUDA
-# runtime always, the OpenMP runtime and Highway (38 KiB) when the linker kept them.
-for lib in libcudart.so.13 libgomp.so.1 libhwy.so.1; do
+# runtime and Highway (the core's CPU dispatch; the torch operator links it too) always, the OpenMP
+# runtime when the linker kept it.
+for lib in libcudart.so.13 libhwy.so.1 libgomp.so.1; do
   path=$(for b in "$carry"/bin/*; do ldd "$b"; done | awk -v l="$lib" '$1 == l { print $3; exit }')
   if [ -n "$path" ]; then cp -L "$path" "$carry/lib/$lib"
-  elif [ "$lib" = libcudart.so.13 ]; then echo "build-for-device: $lib not found by ldd"; exit 1; fi
+  elif [ "$lib" != libgomp.so.1 ]; then echo "build-for-device: $lib not found by ldd"; exit 1; fi
 done
 # GoogleTest's sources, for `device-run.sh --build` (a rebuild on the device, which has CMake and
 # nvcc but no GoogleTest) should these binaries not load there.

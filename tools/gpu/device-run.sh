@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # tools/gpu/device-run.sh: the one prepared script of a GPU run, run ON the device machine over the
 # binaries tools/gpu/build-for-device.sh built elsewhere (carried in build-device/carry). No build
-# unless --build. Every step has its own time-out, all of them share one budget (default 270 s, so
+# unless --build, but for the torch operator (an extension must be built against the torch that
+# loads it). Every step has its own time-out, all of them share one budget (default 330 s, so
 # the first call of a 15-minute lease leaves room for a second, corrective one while the machine is
 # still warm), and every step ends with one summary line. Steps, most informative first:
 #   info      the GPU, driver, kernel (gVisor or not), and ldd of the carried binaries;
 #   probe     dfss_gpu_probe: mma.sp metadata lanes and bits, NaN at pruned rows, each kernel alone
 #             against the host, mma.sync vs mma.sp;
 #   tests     the GPU tests (test_nm_format_gpu, test_attention_gpu), every case with its max error;
+#   torch     torch.ops.dfss.attention on CUDA: the operator built here against this machine's own
+#             torch (pip install of the source tree, linking the carried core/libdfss.a: only the
+#             four src/torch/*.cpp are compiled), then tests/python/test_cuda.py;
 #   bench     dfss_bench_cuda --grid all (DFSS 2:4 and 1:2, raw kernels and the public API, vs the
 #             dense cuBLAS pipeline; medians, TFLOP/s and GB/s);
 #   sdpa      PyTorch SDPA with each backend forced, and unforced (tools/gpu/sdpa_backends.py);
@@ -24,11 +28,12 @@
 # Usage: bash tools/gpu/device-run.sh [--build] [--budget SECONDS] [--carry DIR]
 #   --build   rebuild the binaries here first (cmake, nvcc; GoogleTest from the carried sources),
 #             e.g. when the carried ones do not load; takes about 1-2 minutes of the budget.
-# Exit: 0 when the probe and the GPU tests passed, 1 otherwise, 2 when there is nothing to run.
+# Exit: 0 when the probe, the GPU tests and the torch operator's build and tests passed, 1 otherwise,
+# 2 when there is nothing to run.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 start=$(date +%s)
-budget=270
+budget=330
 build=0
 carry="build-device/carry"
 while [ $# -gt 0 ]; do
@@ -125,6 +130,34 @@ for t in test_nm_format_gpu test_attention_gpu; do
   grep -E '^\[  FAILED  \] [A-Za-z]|^case |SKIP|skipped:' "$logs/$t.log" | head -n 30 | sed 's/^/  /' | tee -a "$summary"
 done
 
+# ---- torch operator: built against this machine's torch (pip's --target, nothing installed into
+# its environment), linked with the carried core, so only the operator's .cpp files are compiled;
+# then its CUDA tests. libhwy.so.1 (carried) is in a folder of its own, with the libhwy.so link the
+# linker's -lhwy wants, so that the Python process sees no other carried library.
+torch_rc=0
+if [ ! -f "$carry/core/libdfss.a" ]; then
+  say "torch: skipped: no carried core ($carry/core/libdfss.a; rerun tools/gpu/build-for-device.sh)"
+else
+  tdir=$(mktemp -d)
+  mkdir -p "$tdir/hwy"
+  cp "$carry/lib/libhwy.so.1" "$tdir/hwy/" && ln -s libhwy.so.1 "$tdir/hwy/libhwy.so"
+  step torch-build.log 150 env DFSS_CUDA=ON DFSS_CORE_LIBRARY="$(cd "$carry/core" && pwd)/libdfss.a" \
+    DFSS_CORE_LINK_LIBS="$tdir/hwy/libhwy.so.1" LDFLAGS="-L$tdir/hwy" DFSS_PYTHON_BUILD_DIR="$tdir/build" \
+    MAX_JOBS="$(nproc)" python3 -m pip install --no-build-isolation --no-deps --no-index --no-cache-dir \
+    --target "$tdir/site" .
+  build_line="build $(verdict) in ${secs} s"
+  if [ "$rc" -eq 0 ]; then
+    step torch-tests.log 90 env PYTHONPATH="$tdir/site" LD_LIBRARY_PATH="$tdir/hwy" DFSS_EXPECT_CUDA_OPERATOR=1 \
+      PYTHONUNBUFFERED=1 python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py tests/python/test_errors.py
+    [ "$rc" -ne 0 ] && torch_rc=1
+    say "torch: $build_line; test_cuda.py + test_errors.py $(verdict) in ${secs} s: $(tail -n 1 "$logs/torch-tests.log" | cut -c1-200)"
+    grep -E '^(FAILED|ERROR|SKIPPED)' "$logs/torch-tests.log" | head -n 20 | cut -c1-300 | sed 's/^/  /' | tee -a "$summary"
+  else
+    torch_rc=1
+    say "torch: $build_line: $(grep -m1 -E 'error|Error' "$logs/torch-build.log" | cut -c1-200)"
+  fi
+fi
+
 # ---- benchmark
 step bench.log 75 "${run_bin[@]}" "$bin/dfss_bench_cuda" --grid all --warmup 5 --iters 20 --json "$out/bench.json" \
   --markdown "$out/bench.md"
@@ -179,4 +212,4 @@ else
 fi
 
 finish
-[ "$probe_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ]
+[ "$probe_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$torch_rc" -eq 0 ]

@@ -141,7 +141,7 @@ else
   tdir=$(mktemp -d)
   mkdir -p "$tdir/hwy"
   cp "$carry/lib/libhwy.so.1" "$tdir/hwy/" && ln -s libhwy.so.1 "$tdir/hwy/libhwy.so"
-  step torch-build.log 150 env DFSS_CUDA=ON DFSS_CORE_LIBRARY="$(cd "$carry/core" && pwd)/libdfss.a" \
+  step torch-build.log 180 env DFSS_CUDA=ON DFSS_CORE_LIBRARY="$(cd "$carry/core" && pwd)/libdfss.a" \
     DFSS_CORE_LINK_LIBS="$tdir/hwy/libhwy.so.1" LDFLAGS="-L$tdir/hwy" DFSS_PYTHON_BUILD_DIR="$tdir/build" \
     MAX_JOBS="$(nproc)" python3 -m pip install --no-build-isolation --no-deps --no-index --no-cache-dir \
     --target "$tdir/site" .

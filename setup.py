@@ -99,18 +99,20 @@ class build_ext(BuildExtension):
             "-DDFSS_BUILD_TESTS=OFF", "-DDFSS_BUILD_TOOLS=OFF", "-DDFSS_BUILD_BENCH=OFF",
             "-DDFSS_WITH_TORCH=OFF", "-DDFSS_BUILD_CUDA_BENCH=OFF",
             # The core's std::string-carrying API must use the same libstdc++ ABI as torch.
-            f"-DCMAKE_CXX_FLAGS=-D_GLIBCXX_USE_CXX11_ABI={abi}"] + self._core_cuda_args())
+            f"-DCMAKE_CXX_FLAGS=-D_GLIBCXX_USE_CXX11_ABI={abi}"] + self._core_cuda_args(abi))
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
         subprocess.check_call(["cmake", "--build", build, "--target", "dfss", "--parallel", jobs])
         return os.path.join(build, "src", "libdfss.a")
 
     @staticmethod
-    def _core_cuda_args():
+    def _core_cuda_args(abi):
         if not WITH_CUDA:
             return ["-DDFSS_ENABLE_CUDA=OFF"]
         home = cpp_extension.CUDA_HOME
         return ["-DDFSS_ENABLE_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={os.path.join(home, 'bin', 'nvcc')}",
-                f"-DDFSS_CUDA_ARCHITECTURES={os.environ.get('DFSS_CUDA_ARCHITECTURES', '80;90')}"]
+                f"-DDFSS_CUDA_ARCHITECTURES={os.environ.get('DFSS_CUDA_ARCHITECTURES', '80;90')}",
+                # The CUDA backend's host code passes std::string too (its reasons).
+                f"-DCMAKE_CUDA_FLAGS=-D_GLIBCXX_USE_CXX11_ABI={abi}"]
 
     def run(self):
         core = self._core_library()

@@ -6,6 +6,9 @@
 
 * ``dfss.attention``: mirrors ``torch.nn.functional.scaled_dot_product_attention``.
 * ``torch.ops.dfss.attention``: the registered operator, [B, L, H, d] layout, returns (out, lse).
+  CPU tensors: every float dtype, forward and backward. CUDA tensors: the forward only, float16 and
+  bfloat16 (README.md, "PyTorch"), in builds with the CUDA kernels (``dfss._build_info.cuda``;
+  ``dfss._build_info.cuda_reason`` says why or why not).
 * ``dfss.nn.DFSSAttention``: a multi-head attention module.
 * ``dfss.patch_attention(model)``: swaps the self-attention of BERT-style encoders for DFSS.
 * ``dfss.merge_attention_states``: the exact merge of results over key shards (split-K, context

@@ -148,7 +148,7 @@ else
   build_line="build $(verdict) in ${secs} s"
   if [ "$rc" -eq 0 ]; then
     step torch-tests.log 90 env PYTHONPATH="$tdir/site" LD_LIBRARY_PATH="$tdir/hwy" DFSS_EXPECT_CUDA_OPERATOR=1 \
-      PYTHONUNBUFFERED=1 python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py tests/python/test_errors.py
+      PYTHONUNBUFFERED=1 python3 -m pytest -q -rfEs -p no:cacheprovider tests/python/test_cuda.py tests/python/test_errors.py
     [ "$rc" -ne 0 ] && torch_rc=1
     say "torch: $build_line; test_cuda.py + test_errors.py $(verdict) in ${secs} s: $(tail -n 1 "$logs/torch-tests.log" | cut -c1-200)"
     grep -E '^(FAILED|ERROR|SKIPPED)' "$logs/torch-tests.log" | head -n 20 | cut -c1-300 | sed 's/^/  /' | tee -a "$summary"

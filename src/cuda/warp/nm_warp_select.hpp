@@ -49,41 +49,59 @@ struct unit16_selection {
   std::uint32_t meta_bits[2][2];
 };
 
-/// @brief Prunes lane @p lane's accumulators acc[i][j][r] of a 16-bit SDDMM unit (keys permuted by
-/// sddmm16_key_of_column) to pattern @p p. Masked and out-of-range scores must already be -inf.
-template <typename T>
-DFSS_HD unit16_selection<T> select_unit16(const T (&acc)[2][4][4], int lane, sp_pattern p) {
+/// @brief The loop of a lane's 16-bit unit selection, written once: @p select(s, lo, hi, nibble) picks
+/// the kept pair of each 4-key group s (keys 16h + 4t .. 16h + 4t + 3: columns 2t, 2t+1 of n8
+/// tiles 2h and 2h+1, row half rh). The two row halves' nibbles go to constant positions (bits 0
+/// and 16), then one shift by the lane's 4 t places them in the word.
+template <typename T, typename GroupSelect>
+DFSS_HD unit16_selection<T> select_unit16_with(const T (&acc)[2][4][4], int lane, const GroupSelect& select) {
   unit16_selection<T> out{};
   const int t = quad_pos_of(lane);
 DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
 DFSS_UNROLL
     for (int h = 0; h < 2; ++h) {
+      std::uint32_t bits = 0;
 DFSS_UNROLL
       for (int rh = 0; rh < 2; ++rh) {
-        // Keys 16h + 4t + p, p = 0..3: columns 2t, 2t+1 of n8 tiles 2h and 2h+1, row half rh.
         const T s[4] = {acc[i][2 * h][2 * rh], acc[i][2 * h][2 * rh + 1], acc[i][2 * h + 1][2 * rh],
                         acc[i][2 * h + 1][2 * rh + 1]};
-        T& lo = out.a[i][4 * h + 2 * rh];
-        T& hi = out.a[i][4 * h + 2 * rh + 1];
         std::uint32_t nibble;
-        if (p == sp_pattern::p1of2) {
-          // One ranking per pair; the nibble keeps index b0 of keys 0..1 and 2 + b1 of keys 2..3
-          // (nm_nibble_1of2_as_2of4 of the two masks, without the generic mask-to-nibble chain).
-          const std::uint32_t b0 = nm_ranks_above(s[1], 1, s[0], 0) ? 1u : 0u;
-          const std::uint32_t b1 = nm_ranks_above(s[3], 3, s[2], 2) ? 1u : 0u;
-          lo = b0 != 0u ? s[1] : s[0];
-          hi = b1 != 0u ? s[3] : s[2];
-          nibble = b0 | ((2u + b1) << 2);
-        } else {
-          nibble = nm_nibble_2of4(nm_select_2of4(s));
-          kept_pair(s, nibble, lo, hi);
-        }
-        out.meta_bits[i][h] |= nibble << (16 * rh + 4 * t);
+        select(s, out.a[i][4 * h + 2 * rh], out.a[i][4 * h + 2 * rh + 1], nibble);
+        bits |= nibble << (16 * rh);
       }
+      out.meta_bits[i][h] = bits << (4 * t);
     }
   }
   return out;
+}
+
+/// The general group selection of pattern p: the format module's ranking (ties, -inf and NaN).
+struct ranked_group_select {
+  sp_pattern p;
+  template <typename T>
+  DFSS_HD void operator()(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) const {
+    if (p == sp_pattern::p1of2) {
+      // One ranking per pair; the nibble keeps index b0 of keys 0..1 and 2 + b1 of keys 2..3
+      // (nm_nibble_1of2_as_2of4 of the two masks, without the generic mask-to-nibble chain).
+      const std::uint32_t b0 = nm_ranks_above(s[1], 1, s[0], 0) ? 1u : 0u;
+      const std::uint32_t b1 = nm_ranks_above(s[3], 3, s[2], 2) ? 1u : 0u;
+      lo = b0 != 0u ? s[1] : s[0];
+      hi = b1 != 0u ? s[3] : s[2];
+      nibble = b0 | ((2u + b1) << 2);
+    } else {
+      nibble = nm_nibble_2of4(nm_select_2of4(s));
+      kept_pair(s, nibble, lo, hi);
+    }
+  }
+};
+
+/// @brief Prunes lane @p lane's accumulators acc[i][j][r] of a 16-bit SDDMM unit (keys permuted by
+/// sddmm16_key_of_column) to pattern @p p with the general ranking. Masked and out-of-range scores
+/// must already be -inf.
+template <typename T>
+DFSS_HD unit16_selection<T> select_unit16(const T (&acc)[2][4][4], int lane, sp_pattern p) {
+  return select_unit16_with(acc, lane, ranked_group_select{p});
 }
 
 /// One lane's result of pruning a tf32 unit (32 rows x 16 keys) to 1:2.

@@ -91,42 +91,29 @@ DFSS_HD void select_2of4_no_nan(const T (&s)[4], T& lo, T& hi, std::uint32_t& ni
   nibble = both0 ? 0x4u : (both1 ? 0xEu : winners);
 }
 
-/// @brief select_unit16 for inputs without NaN (with NaN: legal metadata, a NaN among the kept
-/// values of its group, the kept keys unspecified): the SDDMM's selection. 1:2 keeps key 1 of a
-/// pair iff it is strictly greater; the kept value is the pair's NaN-propagating maximum.
-template <typename T>
-DFSS_HD unit16_selection<T> select_unit16_no_nan(const T (&acc)[2][4][4], int lane, sp_pattern p) {
-  unit16_selection<T> out{};
-  const int t = quad_pos_of(lane);
-DFSS_UNROLL
-  for (int i = 0; i < 2; ++i) {
-DFSS_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      // Both row halves' nibbles at their constant positions (bits 0 and 16), then one shift by the
-      // lane's 4 t: the selects then pick pre-shifted constants.
-      std::uint32_t bits = 0;
-DFSS_UNROLL
-      for (int rh = 0; rh < 2; ++rh) {
-        const T s[4] = {acc[i][2 * h][2 * rh], acc[i][2 * h][2 * rh + 1], acc[i][2 * h + 1][2 * rh],
-                        acc[i][2 * h + 1][2 * rh + 1]};
-        T& lo = out.a[i][4 * h + 2 * rh];
-        T& hi = out.a[i][4 * h + 2 * rh + 1];
-        std::uint32_t nibble;
-        if (p == sp_pattern::p1of2) {
-          const bool b0 = s[1] > s[0];
-          const bool b1 = s[3] > s[2];
-          lo = max_nan(s[0], s[1]);
-          hi = max_nan(s[2], s[3]);
-          nibble = (b0 ? 1u : 0u) | (b1 ? 12u : 8u);
-        } else {
-          select_2of4_no_nan(s, lo, hi, nibble);
-        }
-        bits |= nibble << (16 * rh);
-      }
-      out.meta_bits[i][h] = bits << (4 * t);
+/// The SDDMM's group selection of pattern p for inputs without NaN (with NaN: legal metadata, a
+/// NaN among the kept values of its group, the kept keys unspecified). 1:2 keeps key 1 of a pair
+/// iff it is strictly greater; the kept value is the pair's NaN-propagating maximum.
+struct no_nan_group_select {
+  sp_pattern p;
+  template <typename T>
+  DFSS_HD void operator()(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) const {
+    if (p == sp_pattern::p1of2) {
+      const bool b0 = s[1] > s[0];
+      const bool b1 = s[3] > s[2];
+      lo = max_nan(s[0], s[1]);
+      hi = max_nan(s[2], s[3]);
+      nibble = (b0 ? 1u : 0u) | (b1 ? 12u : 8u);
+    } else {
+      select_2of4_no_nan(s, lo, hi, nibble);
     }
   }
-  return out;
+};
+
+/// @brief select_unit16 with the no-NaN rule: the SDDMM's selection.
+template <typename T>
+DFSS_HD unit16_selection<T> select_unit16_no_nan(const T (&acc)[2][4][4], int lane, sp_pattern p) {
+  return select_unit16_with(acc, lane, no_nan_group_select{p});
 }
 
 /// @brief Lane @p lane's part of each row maximum of a unit, from its kept values (the maximum of a

@@ -35,8 +35,11 @@ class SassStats(unittest.TestCase):
         self.assertEqual((st["total"], st["mma"], st["mma_sparse"]), (10, 2, 1))
         self.assertEqual(st["loop"], 5)  # 0x40 .. 0x80, the nested loop counted once
         self.assertEqual(st["per_tile"], 2.5)  # spmm: half a 64-key step per 32 x 32 tile
-        st = sass.stats(f, "sddmm_select_kernel")
-        self.assertEqual(st["per_tile"], 5)  # the first main loop, whole, per tile
+        st = sass.stats(f, "sddmm_select_kernel", "bf16, 4, 2:4")
+        self.assertEqual(st["per_tile"], 5)  # the first main loop (2 HMMA = one tile of D = 4)
+        st = sass.stats(f, "sddmm_select_kernel", "bf16, 8, 2:4")
+        self.assertEqual(st["per_tile"], 10)  # a tile of D = 8 needs 4 HMMA: twice this loop
+        self.assertIsNone(sass.stats(f, "sddmm_select_kernel", "bf16")["per_tile"])
 
     def test_first_loop(self):
         ops = ["S2R R0, SR_TID.X",  # 0x00
@@ -44,7 +47,7 @@ class SassStats(unittest.TestCase):
                "LDS R3, [R0]", "HMMA.16816.F32 R8, R2, R2, R8", "FSEL R1, R1, R2, P1", "@P1 BRA 0x30",  # 0x30..0x60
                "EXIT"]
         (f,) = sass.parse(listing(ops))
-        self.assertEqual(sass.stats(f, "sddmm_select_kernel")["per_tile"], 2)  # only the first loop
+        self.assertEqual(sass.stats(f, "sddmm_select_kernel", "bf16, 2, 2:4")["per_tile"], 2)  # only the first loop
         self.assertEqual(sass.stats(f, "spmm_kernel")["loop"], 6)  # every loop holding MMA
 
     def test_names(self):

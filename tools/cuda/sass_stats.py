@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 KERNELS = {
     # src/cuda/sddmm_select.cu: each warp loops over 64-key steps, first those every row of the CTA
     # sees whole (the steady state, placed first), then the boundary steps with mask code. The first
-    # loop's body holds one 32 x 32 unit's code (the two units of a step run it in turn, not
-    # unrolled) plus the step's copy and barriers, so its static size bounds a tile's cost from
-    # above (the step's share counted whole instead of half).
-    "sddmm_select_kernel": ("first_loop", 1.0),
+    # loop's body holds one or both 32 x 32 units of a step (unrolled for d = 64, not for d = 128)
+    # plus the step's copy and barriers; a unit is D / 2 HMMA (2 m16 x 4 n8 tiles x D / 16 k steps),
+    # so the body's size times (D / 2) / (its HMMA count) is the cost of one tile (for one unit per
+    # body, the step's share is counted whole: an upper bound).
+    "sddmm_select_kernel": ("first_loop_per_mma", None),
     # src/cuda/spmm.cu: each step of the main loop covers 64 keys (kStepKeys) for the warp's 32 rows
     # and 64 output columns; a 32 x 32 score tile is half a step (for D = 128 two warps share the
     # tile's rows, one per 64 output columns, so the tile costs twice the per-warp figure).
@@ -138,7 +139,13 @@ def short_name(demangled: str) -> tuple[str, str]:
     return m.group(1), args
 
 
-def stats(f: Function, name: str) -> dict:
+def head_dim(args: str):
+    """The head dim of a kernel's short template arguments ("bf16, 64, 2:4" -> 64), or None."""
+    parts = [p.strip() for p in args.split(",")]
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+def stats(f: Function, name: str, args: str = "") -> dict:
     mn = [mnemonic(op) for op in f.ops]
     mma = [i for i, m in enumerate(mn) if m.startswith("HMMA")]
     sparse = sum(1 for i in mma if mn[i].startswith("HMMA.SP"))
@@ -147,9 +154,14 @@ def stats(f: Function, name: str) -> dict:
     if not mma:
         main = loops
     how, factor = KERNELS[name]
-    if how == "first_loop":
+    if how.startswith("first_loop"):
         main = main[:1]
     loop = sum(e - s + 1 for s, e in main)
+    if how == "first_loop_per_mma":
+        loop_mma = sum(1 for i in mma if main and main[0][0] <= i <= main[0][1])
+        d = head_dim(args)
+        per_tile = None if not loop_mma or d is None else loop * (d / 2) / loop_mma
+        return {"total": len(f.ops), "mma": len(mma), "mma_sparse": sparse, "loop": loop, "per_tile": per_tile}
     per_tile = None if factor is None else (len(f.ops) if how == "total" else loop) * factor
     return {"total": len(f.ops), "mma": len(mma), "mma_sparse": sparse, "loop": loop, "per_tile": per_tile}
 
@@ -175,7 +187,7 @@ def main() -> int:
         base, targs = short_name(names[f.symbol])
         if base not in KERNELS:
             continue
-        rows.append({"kernel": base, "args": targs, "arch": f.arch, **stats(f, base)})
+        rows.append({"kernel": base, "args": targs, "arch": f.arch, **stats(f, base, targs)})
     rows.sort(key=lambda r: (r["kernel"], r["arch"], r["args"]))
     print("| kernel | template | arch | total | mma (sparse) | main loop | per warp per 32x32 tile |")
     print("|---|---|---|---:|---:|---:|---:|")

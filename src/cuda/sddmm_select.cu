@@ -30,13 +30,10 @@ using i64 = std::int64_t;
 constexpr int kThreads = 128;
 constexpr int kTileRows = 128;
 // CTAs per SM to plan registers for: for d = 64, 3 (at most 170 registers; left to itself ptxas
-// squeezes the 2:4 kernel into 128 with a spill, for 4 CTAs); for d = 128, 2 (at most 255: a cap of
-// 170 costs the sm_90 2:4 kernel about 20 more instructions per tile in moves).
+// squeezes the 2:4 kernel into 128 with a spill, for 4 CTAs); for d = 128, 2 (at most 255: its 64
+// registers of Q fragments and two units in flight need about 250).
 template <int D>
 constexpr int kMinCtasPerSm = D == 64 ? 3 : 2;
-// Units of a step unrolled into one loop body (see the step loop).
-template <int D>
-constexpr int kUnitUnroll = D == 64 ? 2 : 1;
 // Keys per pipeline step: two 32-key units per warp, and the intermediate layout's key padding (64),
 // so a step never reaches past a slice.
 constexpr int kStepKeys = 64;
@@ -226,10 +223,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<D>) sddmm_select_kerne
       ptx::cp_async_commit();
       ptx::cp_async_wait<1>();
       __syncthreads();
-      // Both units of a step in one body for d = 64: ptxas interleaves their epilogues and keeps the
-      // lane's offsets in registers (391 -> 332 SASS per tile for 2:4, 310 -> 252 for 1:2, about 160
-      // registers); for d = 128 that would take 255 registers (2 CTAs per SM) for 3% fewer.
-#pragma unroll kUnitUnroll<D>
+      // Both units of a step in one body: ptxas interleaves their epilogues and keeps the lane's
+      // offsets in registers (d = 64: 391 -> 332 SASS per tile for 2:4, 310 -> 252 for 1:2 at about
+      // 160 registers; d = 128: about 250 registers, still the 2 CTAs per SM of the rolled loop).
+      DFSS_UNROLL
       for (int u = 0; u < 2; ++u) {
         sddmm_unit<T, D, P, decltype(masked)::value>(a, ks_smem + static_cast<std::uint32_t>(stage) * kStageBytes +
                                                             static_cast<std::uint32_t>(u) * kUnitBytes,

@@ -50,19 +50,16 @@ __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
 
-/// 16-byte global -> shared copy; when @p valid is false the 16 bytes are zero-filled and @p src
-/// is not read (it must still be a valid address expression).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-/// cp_async_16 on a shared-memory address and a global address held as integers (a zero-filled
-/// chunk may name an address past the tensor: it is never read).
+/// 16-byte global -> shared copy on a shared-memory address and a global address held as integers;
+/// when @p valid is false the 16 bytes are zero-filled and @p src is not read (a zero-filled chunk
+/// may name an address past the tensor).
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, std::uint64_t src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+/// cp_async_16 on pointers (@p src must still be a valid address expression).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  cp_async_16(smem_addr(dst), reinterpret_cast<std::uint64_t>(src), valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int Pending>
@@ -70,15 +67,8 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
 
-/// ldmatrix.x4: lane l gives the address of row l % 8 of matrix l / 8; register m receives lane's
-/// part of matrix m (row lane / 4, columns 2 (lane % 4), +1).
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* row_addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row_addr)));
-}
-/// ldmatrix_x4 on a shared-memory address held as an integer (kernels that keep precomputed
-/// per-lane offsets).
+/// ldmatrix.x4: lane l gives the (shared-memory) address of row l % 8 of matrix l / 8; register m
+/// receives lane's part of matrix m (row lane / 4, columns 2 (lane % 4), +1).
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t row_addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -1,6 +1,8 @@
 // CPU feature detection through the compiler's cpuid builtins (gcc and clang).
 #include "core/cpu_features.hpp"
 
+#include <cstdlib>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
@@ -49,6 +51,27 @@ bool cpu_has(cpu_feature f) noexcept {
     return bits;
   }();
   return ((present >> static_cast<unsigned>(f)) & 1u) != 0;
+}
+
+bool cpu_splits_512bit_ops() noexcept {
+  static const bool split = [] {
+    if (const char* forced = std::getenv("DFSS_CPU_SPLIT_512"); forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0') {
+      return forced[0] == '1';
+    }
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!cpu_has(cpu_feature::avx512f) || __get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    // "AuthenticAMD" in ebx, edx, ecx.
+    const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;
+    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+    const unsigned base = (eax >> 8) & 0xfu;
+    const unsigned family = base == 0xfu ? base + ((eax >> 20) & 0xffu) : base;
+    return family == 0x19u;  // Zen 4 (Zen 3, also 19h, has no AVX-512; Zen 5 is 1Ah)
+#else
+    return false;
+#endif
+  }();
+  return split;
 }
 
 const char* cpu_feature_name(cpu_feature f) noexcept {

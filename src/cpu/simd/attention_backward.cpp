@@ -38,7 +38,9 @@ class backward_pass : public kernel<T> {
  public:
   using base = kernel<T>;
   explicit backward_pass(const attention_params& p)
-      : base(p), dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m) {}
+      : base(p),
+        dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m),
+        pair_slots_(p.pattern_n == 1 && p.pattern_m == 2) {}
 
   /// One task per (batch, kv head), or per group of them when dBias broadcasts over the batch or
   /// the heads: a task then owns every (batch, kv head) that adds into the same dBias entries and
@@ -298,8 +300,13 @@ class backward_pass : public kernel<T> {
     float* cp = ws.comp_p.ptr + slot;
     float* cds = ws.comp_ds.ptr + slot;
     float tile_max = 0.0f;
+    const mask::whole_groups whole = core::whole_groups(p_, b, qi);
     const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/true,
-                                   core::whole_groups(p_, b, qi));  // NaN rows diverted
+                                   whole);  // NaN rows diverted
+    // A 1:2 tile outside the sink and recent windows is compacted one slot per pair, pair g in slot
+    // g (compact's two-vector form), so its kept dP is the even or odd key of each pair: two loads
+    // and a select instead of a gather (vgatherdps is microcoded on Zen 4).
+    const bool pair_slots = pair_slots_ && !mask::tile_has_whole_groups(whole, j0, w_);
     const float d_row = ws.row_d.ptr[i];
     const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
     const DF d;
@@ -314,8 +321,18 @@ class backward_pass : public kernel<T> {
       const VF arg = hn::Mul(hn::Mul(hn::Sub(hn::Load(d, cv + t), vshift), ve1), ve2);
       const VF pv = exp2_clamped(hn::Sub(arg, voffset));
       // Dense: kept slot t is key j0 + t.
-      const VF dpv = dense_tiles_ ? hn::Load(d, dp_row + t)
-                                  : hn::GatherIndex(d, dp_row, hn::Min(hn::Sub(hn::LoadU(di, ci + t), vj0), vlast));
+      VF dpv;
+      if (dense_tiles_) {
+        dpv = hn::Load(d, dp_row + t);
+      } else if (pair_slots) {
+        // Slots t .. t + L - 1 are pairs t .. t + L - 1, keys 2 t .. 2 t + 2 L - 1; j0 is even, so
+        // the kept key is odd iff its index is.
+        const VF x0 = hn::Load(d, dp_row + 2 * t), x1 = hn::Load(d, dp_row + 2 * t + lanes_);
+        const auto odd = hn::RebindMask(d, hn::Ne(hn::And(hn::LoadU(di, ci + t), hn::Set(di, 1)), hn::Zero(di)));
+        dpv = hn::IfThenElse(odd, hn::ConcatOdd(d, x1, x0), hn::ConcatEven(d, x1, x0));
+      } else {
+        dpv = hn::GatherIndex(d, dp_row, hn::Min(hn::Sub(hn::LoadU(di, ci + t), vj0), vlast));
+      }
       const VF ds = hn::Mul(pv, hn::Sub(dpv, vd));
       hn::Store(pv, d, cp + t);
       hn::Store(hn::Mul(vscale, ds), d, cds + t);
@@ -519,12 +536,16 @@ class backward_pass : public kernel<T> {
       }
       if (n == 0) continue;
       const std::int64_t j = j0 + k;
-      add_row_combination(
-          ws.dv.ptr + j * dp_, dp_, n, [pk, &rows](int t) { return pk[rows[t]]; },
-          [dout, &rows, dp](int t) { return dout + static_cast<std::int64_t>(rows[t]) * dp; });
-      add_row_combination(
-          ws.dk.ptr + j * dp_, dp_, n, [dsk, &rows](int t) { return dsk[rows[t]]; },
-          [q, &rows, dp](int t) { return q + static_cast<std::int64_t>(rows[t]) * dp; });
+      const auto p_of = [pk, &rows](int t) { return pk[rows[t]]; };
+      const auto dout_of = [dout, &rows, dp](int t) { return dout + static_cast<std::int64_t>(rows[t]) * dp; };
+      const auto ds_of = [dsk, &rows](int t) { return dsk[rows[t]]; };
+      const auto q_of = [q, &rows, dp](int t) { return q + static_cast<std::int64_t>(rows[t]) * dp; };
+#if !HWY_HAVE_SCALABLE
+      add_row_combination_pair(ws.dv.ptr + j * dp_, ws.dk.ptr + j * dp_, dp_, n, p_of, dout_of, ds_of, q_of);
+#else
+      add_row_combination(ws.dv.ptr + j * dp_, dp_, n, p_of, dout_of);
+      add_row_combination(ws.dk.ptr + j * dp_, dp_, n, ds_of, q_of);
+#endif
     }
 #if !HWY_HAVE_SCALABLE
     flush_singly();
@@ -533,6 +554,8 @@ class backward_pass : public kernel<T> {
 
   /// Dense pattern on a fixed-width target: whole-tile rows and keys take the blocked products.
   const bool dense_tiles_;
+  /// 1:2: tiles outside the sink and recent windows hold one kept slot per pair (backward_row).
+  const bool pair_slots_;
 };
 
 /// avx3_bf16 (@p t) runs the avx3 backward: 16-bit inputs are widened to fp32 as on every target.

@@ -32,6 +32,8 @@
 
 #include <vector>
 
+#include "core/cpu_features.hpp"
+
 HWY_BEFORE_NAMESPACE();
 namespace dfss::cpu::simd::HWY_NAMESPACE {
 
@@ -47,7 +49,7 @@ class forward_pass : public kernel<T> {
       : base(p, min_tile(p, bf16_dot)),
         dot_(uses_dot(bf16_dot)),
         dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && (!dot_ || dense_dot_fits())),
-        pair_tiles_(kPairBlocks && p.pattern_n == 1 && p.pattern_m == 2 && !dot_),
+        pair_tiles_(kPairBlocks && !core::cpu_splits_512bit_ops() && p.pattern_n == 1 && p.pattern_m == 2 && !dot_),
         q_tiles_((p.seqlen_q + kRowsPerTask - 1) / kRowsPerTask),
         chunk_(split_chunk_keys(p, q_tiles_, w_)),
         chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)) {}

@@ -410,9 +410,79 @@ HWY_INLINE void add_row_combination(float* acc, int dp, int n, const Weight& wei
   }
 }
 
-/// Whether the forward's 1:2 tiles run add_tile_block (Paired). Its selects compete with the FMAs for the
-/// same ports on AVX2, where the row-at-a-time combination measured faster (docs/design.md);
-/// scalable vectors (SVE) have no blocked products.
+#if !HWY_HAVE_SCALABLE
+/// Column vectors per output of add_row_pair's register block: two outputs of this many
+/// accumulators plus two broadcasts fit 16 registers at 4 (SSE4, AVX2) and 32 at 8.
+#if HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2
+inline constexpr int kPairRowVectors = 4;
+#else
+inline constexpr int kPairRowVectors = 8;
+#endif
+
+/// add_rows for two outputs over the same terms: a[0, NV) += sum wa(t) ra(t), b[0, NV) += sum wb(t)
+/// rb(t), in increasing t, one MulAdd per term: each output bitwise as add_rows gives it. Twice the
+/// independent accumulator chains of add_rows (an FMA's latency is 4 cycles on Zen 4 and 5, so 4
+/// chains leave half of Zen 5's two FMA pipes idle) and one index computation for both.
+template <int NV, typename WA, typename RA, typename WB, typename RB>
+HWY_INLINE void add_rows_pair(float* HWY_RESTRICT a_out, float* HWY_RESTRICT b_out, int n, const WA& wa, const RA& ra,
+                              const WB& wb, const RB& rb) {
+  const DF d;
+  const std::size_t L = hn::Lanes(d);
+  VF a[NV], b[NV];
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) {
+    a[c] = hn::Load(d, a_out + c * L);
+    b[c] = hn::Load(d, b_out + c * L);
+  }
+  for (int t = 0; t < n; ++t) {
+    const float* x = ra(t);
+    const float* y = rb(t);
+    const VF vx = hn::Set(d, wa(t));
+    const VF vy = hn::Set(d, wb(t));
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      a[c] = hn::MulAdd(vx, hn::Load(d, x + c * L), a[c]);
+      b[c] = hn::MulAdd(vy, hn::Load(d, y + c * L), b[c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) {
+    hn::Store(a[c], d, a_out + c * L);
+    hn::Store(b[c], d, b_out + c * L);
+  }
+}
+
+/// add_row_combination for two outputs over the same n terms (the backward's dV and dK of a key
+/// over the rows that kept it), kPairRowVectors columns at a time.
+template <typename WA, typename RA, typename WB, typename RB>
+HWY_INLINE void add_row_combination_pair(float* a_out, float* b_out, int dp, int n, const WA& wa, const RA& ra,
+                                         const WB& wb, const RB& rb) {
+  const DF d;
+  const int L = static_cast<int>(hn::Lanes(d));
+  for (int c0 = 0; c0 < dp; c0 += kPairRowVectors * L) {
+    const auto ra_c = [&](int t) { return ra(t) + c0; };
+    const auto rb_c = [&](int t) { return rb(t) + c0; };
+    const auto run = [&](auto nv) {
+      add_rows_pair<decltype(nv)::value>(a_out + c0, b_out + c0, n, wa, ra_c, wb, rb_c);
+    };
+    switch (std::min(kPairRowVectors, (dp - c0) / L)) {
+      case 1: run(std::integral_constant<int, 1>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 4: run(std::integral_constant<int, 4>()); break;
+      case 5: run(std::integral_constant<int, 5>()); break;
+      case 6: run(std::integral_constant<int, 6>()); break;
+      case 7: run(std::integral_constant<int, 7>()); break;
+      default: run(std::integral_constant<int, kPairRowVectors>()); break;
+    }
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE
+
+/// Whether the forward's 1:2 tiles may run add_tile_block (Paired). Its selects compete with the FMAs
+/// for the same ports on AVX2, and on AVX-512 CPUs that split 512-bit operations in halves (Zen 4:
+/// core::cpu_splits_512bit_ops, checked at run time), where the row-at-a-time combination measured
+/// faster (docs/design.md); scalable vectors (SVE) have no blocked products.
 #if HWY_HAVE_SCALABLE || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2
 inline constexpr bool kPairBlocks = false;
 #else

@@ -138,6 +138,22 @@ class backward_pass : public kernel<T> {
         for (int key = 0; key < panel_; ++key) panel[c * panel_ + key] = rows[key * dp_ + c];
       }
     }
+#if DFSS_SIMD_PAIR_DP
+    if (pair_slots_) {
+      // pair_dp's V^T: pair g's even key at [g / L][c][g % L] of the first half, its odd key in the
+      // second half (lk_pad_ is a multiple of the panel, 2 L keys).
+      const std::int64_t pairs = lk_pad_ / 2, half = pairs * dp_;
+      const std::int64_t lanes = lanes_;
+      for (std::int64_t g = 0; g < pairs; ++g) {
+        float* even = ws.vt_pairs.ptr + (g / lanes) * dp_ * lanes + g % lanes;
+        const float* v_even = ws.vp.ptr + 2 * g * dp_;
+        for (int c = 0; c < dp_; ++c) {
+          even[c * lanes] = v_even[c];
+          even[half + c * lanes] = v_even[dp_ + c];
+        }
+      }
+    }
+#endif
     std::fill(ws.dk.ptr, ws.dk.ptr + (lk_pad_ + 1) * dp_, 0.0f);
     std::fill(ws.dv.ptr, ws.dv.ptr + (lk_pad_ + 1) * dp_, 0.0f);
     const std::int64_t q_tiles = (p_.seqlen_q + kRowsPerTask - 1) / kRowsPerTask;
@@ -206,12 +222,31 @@ class backward_pass : public kernel<T> {
         }
       }
     }
+    int kept[kRowsPerTask];
     for (std::int64_t j0 = 0; j0 < tile_end; j0 += w_) {
       this->tile_product(q, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
-      this->tile_product(dout, rows_mk, ws.vt.ptr, j0, ws.dps.ptr);
       std::fill(ws.p_keys.ptr, ws.p_keys.ptr + w_ * kRowsPerTask, 0.0f);
+      // Every row's selection first (kept[i] < 0: the row has no gradient here); then dP = dO V^T:
+      // rows whose 1:2 tile is compacted one slot per pair only at their kept keys (pair_dp), the
+      // others from the dense product.
+      std::uint32_t paired = 0, other = 0;
+      for (int i = 0; i < rows; ++i) {
+        kept[i] = select_row(ws, b, h, i0 + i, i, j0, sink);
+        if (kept[i] < 0) continue;
+        if (kept[i] == kPairedRow) {
+          paired |= 1u << i;
+        } else {
+          other |= 1u << i;
+        }
+      }
+      if (other != 0 || (!DFSS_SIMD_PAIR_DP && paired != 0)) this->tile_product(dout, rows_mk, ws.vt.ptr, j0, ws.dps.ptr);
+#if DFSS_SIMD_PAIR_DP
+      if (paired != 0) pair_dp(ws, paired, j0);
+#endif
       std::uint32_t blocked = 0;  // rows that keep the whole dense tile (backward_row)
-      for (int i = 0; i < rows; ++i) backward_row(ws, b, h, i0 + i, i, j0, sink, first, blocked);
+      for (int i = 0; i < rows; ++i) {
+        if (kept[i] >= 0) backward_row(ws, b, h, i0 + i, i, j0, kept[i], sink, first, blocked);
+      }
       if (blocked != 0) blocked_dq(ws, blocked, j0);
       if (blocked == (rows == 32 ? ~0u : (1u << rows) - 1u)) {
         whole_tile_dk_dv(ws, j0, rows);
@@ -275,38 +310,53 @@ class backward_pass : public kernel<T> {
     }
   }
 
-  /// One row against one key tile: the forward's scores and selection, then
-  /// P = exp2((scale (S - shift)) log2(e) - offset) (see backward_tile), dS = P (dO . V - D),
-  /// dQ += scale dS K, and P, scale dS into the key-major block for dK and dV.
-  /// A dense row whose every key of the tile has P != 0 leaves its products to the tile's end: its
-  /// bit set in @p blocked, its P and scaled dS in its slots of ws.comp_p and ws.comp_ds, in key
-  /// order (blocked_dq, then whole_tile_dk_dv or to_key_major).
-  void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
-                    const dbias_sink& sink, bool first, std::uint32_t& blocked) const {
+  /// The kept-count value select_row returns for a row whose 1:2 tile its compaction holds one slot
+  /// per pair, pair g in slot g (compact's two-vector form; every key of the tile has a pair): its
+  /// dP at the kept keys comes from pair_dp where that is compiled, else by pair parity.
+  static constexpr int kPairedRow = std::numeric_limits<int>::max();
+
+  /// One row against one key tile, first step: the forward's scores and selection, compacted into
+  /// the row's slot of ws.comp_val / ws.comp_idx. Returns the number of kept slots (kPairedRow for
+  /// a 1:2 tile in pair order, w / 2 slots), or -1 for a row with no gradient from this tile: past
+  /// its last key, empty, or NaN (its keys then taken by nan_row_keys).
+  int select_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
+                 const dbias_sink& sink) const {
     const std::int64_t lim = this->key_limit(b, qi);
     const float offset = ws.row_lse2.ptr[i];
     // Empty rows (offset -inf) have zero gradients.
-    if (j0 >= lim || offset == -std::numeric_limits<float>::infinity()) return;
+    if (j0 >= lim || offset == -std::numeric_limits<float>::infinity()) return -1;
     float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
     this->bias_and_mask(s, b, h, qi, j0, lim);
     if (this->row_has_nan_or_inf(s)) ws.row_nan.ptr[i] = 1;
     if (ws.row_nan.ptr[i] != 0) {
       nan_row_keys(ws, b, h, qi, i, j0, s, sink);
-      return;
+      return -1;
     }
-    float* cv = ws.comp_val.ptr;
-    std::int32_t* ci = ws.comp_idx.ptr;
-    const std::int64_t slot = dense_tiles_ ? static_cast<std::int64_t>(i) * this->comp_stride() : 0;
-    float* cp = ws.comp_p.ptr + slot;
-    float* cds = ws.comp_ds.ptr + slot;
+    const std::int64_t slot = static_cast<std::int64_t>(i) * this->comp_stride();
     float tile_max = 0.0f;
     const mask::whole_groups whole = core::whole_groups(p_, b, qi);
-    const int kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/true,
-                                   whole);  // NaN rows diverted
-    // A 1:2 tile outside the sink and recent windows is compacted one slot per pair, pair g in slot
-    // g (compact's two-vector form), so its kept dP is the even or odd key of each pair: two loads
-    // and a select instead of a gather (vgatherdps is microcoded on Zen 4).
-    const bool pair_slots = pair_slots_ && !mask::tile_has_whole_groups(whole, j0, w_);
+    const int kept = this->compact(s, static_cast<std::int32_t>(j0), ws.comp_val.ptr + slot, ws.comp_idx.ptr + slot,
+                                   tile_max, /*nan_free=*/true, whole);  // NaN rows diverted
+    return pair_slots_ && !mask::tile_has_whole_groups(whole, j0, w_) ? kPairedRow : kept;
+  }
+
+  /// One row against one key tile, second step (after select_row gave @p kept_slots and dP is in
+  /// place): P = exp2((scale (S - shift)) log2(e) - offset) (see backward_tile), dS = P (dO . V - D),
+  /// dQ += scale dS K, and P, scale dS into the key-major block for dK and dV.
+  /// A dense row whose every key of the tile has P != 0 leaves its products to the tile's end: its
+  /// bit set in @p blocked, its P and scaled dS in its slots of ws.comp_p and ws.comp_ds, in key
+  /// order (blocked_dq, then whole_tile_dk_dv or to_key_major).
+  void backward_row(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
+                    int kept_slots, const dbias_sink& sink, bool first, std::uint32_t& blocked) const {
+    const float offset = ws.row_lse2.ptr[i];
+    const std::int64_t row_slot = static_cast<std::int64_t>(i) * this->comp_stride();
+    float* cv = ws.comp_val.ptr + row_slot;
+    std::int32_t* ci = ws.comp_idx.ptr + row_slot;
+    const std::int64_t slot = dense_tiles_ ? row_slot : 0;
+    float* cp = ws.comp_p.ptr + slot;
+    float* cds = ws.comp_ds.ptr + slot;
+    const bool pair_slots = kept_slots == kPairedRow;
+    const int kept = pair_slots ? w_ / 2 : kept_slots;
     const float d_row = ws.row_d.ptr[i];
     const float* dp_row = ws.dps.ptr + static_cast<std::int64_t>(i) * w_;
     const DF d;
@@ -324,6 +374,8 @@ class backward_pass : public kernel<T> {
       VF dpv;
       if (dense_tiles_) {
         dpv = hn::Load(d, dp_row + t);
+      } else if (pair_slots && DFSS_SIMD_PAIR_DP) {
+        dpv = hn::Load(d, ws.dpk.ptr + static_cast<std::int64_t>(i) * (w_ / 2) + t);  // pair_dp, slot order
       } else if (pair_slots) {
         // Slots t .. t + L - 1 are pairs t .. t + L - 1, keys 2 t .. 2 t + 2 L - 1; j0 is even, so
         // the kept key is odd iff its index is.
@@ -377,6 +429,69 @@ class backward_pass : public kernel<T> {
       }
     }
   }
+
+#if DFSS_SIMD_PAIR_DP
+  /// Rows per pair_dp_block: R accumulators, R masks (of the 7 usable mask registers), the two
+  /// V^T vectors and a broadcast fit the 32 vector registers (4 rows measured the same on Zen 4).
+  static constexpr int kPairDpRows = 6;
+
+  /// dP = dO V^T at the kept keys of the rows in @p rows_mask, whose 1:2 tile at @p j0 select_row
+  /// compacted one slot per pair: into ws.dpk, row i's at i * W / 2, in slot order. Per vector of
+  /// pairs and kPairDpRows rows, each row takes each pair's even or odd V^T column by the parity of
+  /// its kept key: per row and column one blend and one FMA, where the dense product has two FMAs.
+  /// Sums from zero in increasing c, as the micro-kernel's: bitwise the dense dP at those keys.
+  void pair_dp(workspace& ws, std::uint32_t rows_mask, std::int64_t j0) const {
+    int list[kRowsPerTask];
+    int n = 0;
+    for (; rows_mask != 0; rows_mask &= rows_mask - 1) list[n++] = hwy::Num0BitsBelowLS1Bit_Nonzero32(rows_mask);
+    const std::int64_t half = (lk_pad_ / 2) * dp_;
+    // j0 is a multiple of the key tile, so of 2 L: its first pair starts a block.
+    const float* even = ws.vt_pairs.ptr + (j0 / 2) * dp_;
+    for (int g0 = 0; g0 < w_ / 2; g0 += lanes_) {
+      const float* e = even + static_cast<std::int64_t>(g0) * dp_;
+      const float* o = e + half;
+      int r = 0;
+      for (; r + kPairDpRows <= n; r += kPairDpRows) pair_dp_block<kPairDpRows>(ws, list + r, e, o, g0);
+      switch (n - r) {
+        case 5: pair_dp_block<5>(ws, list + r, e, o, g0); break;
+        case 4: pair_dp_block<4>(ws, list + r, e, o, g0); break;
+        case 3: pair_dp_block<3>(ws, list + r, e, o, g0); break;
+        case 2: pair_dp_block<2>(ws, list + r, e, o, g0); break;
+        case 1: pair_dp_block<1>(ws, list + r, e, o, g0); break;
+        default: break;
+      }
+    }
+  }
+
+  /// pair_dp for R rows (@p rows) and the vector of pairs g0 .. g0 + L - 1 (V^T columns @p e, @p o).
+  template <int R>
+  HWY_INLINE void pair_dp_block(workspace& ws, const int* rows, const float* HWY_RESTRICT e, const float* HWY_RESTRICT o,
+                                int g0) const {
+    const DF d;
+    const DI di;
+    const std::size_t L = hn::Lanes(d);
+    hn::Mask<DF> odd[R];
+    VF acc[R];
+    const float* x[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const std::int32_t* ci = ws.comp_idx.ptr + static_cast<std::int64_t>(rows[r]) * this->comp_stride() + g0;
+      odd[r] = hn::RebindMask(d, hn::Ne(hn::And(hn::LoadU(di, ci), hn::Set(di, 1)), hn::Zero(di)));
+      acc[r] = hn::Zero(d);
+      x[r] = ws.dout.ptr + static_cast<std::int64_t>(rows[r]) * dp_;
+    }
+    for (int c = 0; c < dp_; ++c) {
+      VF ve = hn::Load(d, e + c * L);
+      VF vo = hn::Load(d, o + c * L);
+      keep_in_register(ve);
+      keep_in_register(vo);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = hn::MulAdd(hn::Set(d, x[r][c]), hn::IfThenElse(odd[r], vo, ve), acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) hn::Store(acc[r], d, ws.dpk.ptr + static_cast<std::int64_t>(rows[r]) * (w_ / 2) + g0);
+  }
+#endif
 
   /// dQ += scale dS K of the dense key tile at @p j0 for the rows in @p blocked (their scaled dS in
   /// their slots of ws.comp_ds) with the forward's blocked product, kValueRows rows per K load;

@@ -133,6 +133,9 @@ struct workspace {
   // and its dP = dO V^T tile, per-row D = rowsum(dO * O) and LSE * log2(e), the kept probabilities
   // and scaled dS of one row, and the key-major P and scaled dS of one (row tile, key tile) block.
   aligned_buffer<float> kr, dk, dv, vt, dout, dps, row_d, row_lse2, comp_p, comp_ds, p_keys, ds_keys;
+  // Backward, 1:2 on AVX-512 (pair_dp): V^T of the even keys, then of the odd keys, in blocks of one
+  // vector of pairs, and the rows' dP at their kept keys in slot order.
+  aligned_buffer<float> vt_pairs, dpk;
   aligned_buffer<float> dbias_acc;  ///< fp32 sum of a shared 16-bit dBias slice
   // The avx3_bf16 forward (bf16_dot.hpp): K panels and the query tile as bf16 column pairs, V rows
   // in bf16 (in pack_value_row's column order).
@@ -223,6 +226,18 @@ using VI = hn::Vec<DI>;
 #define DFSS_SIMD_BF16_DOT 1
 #else
 #define DFSS_SIMD_BF16_DOT 0
+#endif
+
+/// Whether this instance computes the backward's dP of a 1:2 tile only at the kept keys
+/// (backward_pass::pair_dp): AVX-512, where a mask register makes the per-row choice of a pair's
+/// even or odd V column one blend beside the FMA; on Zen 4 a blend and an FMA issue together (an
+/// isolated loop: 2.9 blend + FMA pairs per ns against 3.6 FMAs per ns), so half the FMAs of the
+/// dense dP cost about 60% of its time (docs/design.md, "The backward").
+#undef DFSS_SIMD_PAIR_DP
+#if DFSS_SIMD_KERNEL_TARGET && HWY_TARGET == HWY_AVX3
+#define DFSS_SIMD_PAIR_DP 1
+#else
+#define DFSS_SIMD_PAIR_DP 0
 #endif
 
 #if DFSS_SIMD_KERNEL_TARGET
@@ -680,6 +695,10 @@ struct kernel {
       ws.ds_keys.resize(block);
       ws.row_d.resize(kRowsPerTask);
       ws.row_lse2.resize(kRowsPerTask);
+      if (p_.pattern_n == 1 && p_.pattern_m == 2) {
+        ws.vt_pairs.resize(static_cast<std::size_t>(lk_pad_) * static_cast<std::size_t>(dp_));
+        ws.dpk.resize(static_cast<std::size_t>(kRowsPerTask * (w_ / 2)));
+      }
     }
   }
 

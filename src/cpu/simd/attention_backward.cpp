@@ -5,12 +5,14 @@
 // for each query head of the group, each 32-row query tile and each key tile recomputes S with the
 // forward's micro-kernel and selects with the forward's bias_and_mask and compact
 // (kernel_parts-inl.h), so it keeps exactly the keys the forward on the same target kept.
-// dP = dO V^T runs on the same micro-kernel over V^T panels; P = exp(scale S - LSE) from the
-// forward's LSE, or, for a row with |LSE| > kDirectLseLimit (huge scores, or LSE +-inf because
-// scale * max overflowed fp32), from the row's own maximum m and sum l recomputed with the forward's
-// code: P = exp(scale (S - m)) / l. dS = P (dP - D) with D = rowsum(dO O). Entries with P = 0
-// (masked keys, padding, underflow) are dropped, not multiplied by 0, so a NaN or inf in a masked
-// key's K, V or dP reaches no gradient. The products touch only kept entries:
+// dP = dO V^T runs on the same micro-kernel over V^T panels (on AVX-512, a 1:2 tile's dP only at
+// each row's kept keys: pair_dp, between the rows' selection and their gradients); P =
+// exp(scale S - LSE) from the forward's LSE, or, for a row with |LSE| > kDirectLseLimit (huge
+// scores, or LSE +-inf because scale * max overflowed fp32), from the row's own maximum m and sum
+// l recomputed with the forward's code: P = exp(scale (S - m)) / l. dS = P (dP - D) with
+// D = rowsum(dO O). Entries with P = 0 (masked keys, padding, underflow) are dropped, not
+// multiplied by 0, so a NaN or inf in a masked key's K, V or dP reaches no gradient. The products
+// touch only kept entries:
 //   dQ += scale dS K: per query row, a combination of the kept keys' K rows (dQ row in registers);
 //   dV += P^T dO, dK += scale dS^T Q: the row pass writes each kept entry's P and scaled dS into a
 //     key-major block [key tile][32 rows]; then per key, the rows with P != 0 are combined with the
@@ -239,7 +241,9 @@ class backward_pass : public kernel<T> {
           other |= 1u << i;
         }
       }
-      if (other != 0 || (!DFSS_SIMD_PAIR_DP && paired != 0)) this->tile_product(dout, rows_mk, ws.vt.ptr, j0, ws.dps.ptr);
+      if (other != 0 || (!DFSS_SIMD_PAIR_DP && paired != 0)) {
+        this->tile_product(dout, rows_mk, ws.vt.ptr, j0, ws.dps.ptr);
+      }
 #if DFSS_SIMD_PAIR_DP
       if (paired != 0) pair_dp(ws, paired, j0);
 #endif
@@ -669,7 +673,7 @@ class backward_pass : public kernel<T> {
 
   /// Dense pattern on a fixed-width target: whole-tile rows and keys take the blocked products.
   const bool dense_tiles_;
-  /// 1:2: tiles outside the sink and recent windows hold one kept slot per pair (backward_row).
+  /// 1:2: tiles outside the sink and recent windows hold one kept slot per pair (select_row).
   const bool pair_slots_;
 };
 

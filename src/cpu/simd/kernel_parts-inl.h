@@ -674,7 +674,7 @@ struct kernel {
     ws.s.resize(static_cast<std::size_t>(kRowsPerTask * w_));
     ws.acc.resize(tile_rows);
     // The forward keeps every row's compacted tile until the tile's P V (kRowsPerTask slots of
-    // comp_stride()); the backward uses the first.
+    // comp_stride()); so does the backward, between select_row and backward_row.
     ws.comp_val.resize(kRowsPerTask * compact);
     ws.comp_idx.resize(kRowsPerTask * compact);
     ws.row_max.resize(kRowsPerTask);

@@ -16,8 +16,8 @@ enum class cpu_feature { sse4_2, avx, avx2, fma, f16c, avx512f, avx512bw, avx512
 bool cpu_has(cpu_feature f) noexcept;
 
 /// @brief Whether this CPU executes 512-bit vector instructions as two 256-bit halves (AMD Zen 4:
-/// family 19h with AVX-512F): there a 512-bit blend takes FMA issue slots, so kernels that trade
-/// loads for blends (the forward's 1:2 pair blocks) lose. Detected once; the environment variable
+/// family 19h with AVX-512F), where the forward's 1:2 pair blocks measured slower than its
+/// row-at-a-time P V (docs/design.md, "The forward"). Detected once; the environment variable
 /// DFSS_CPU_SPLIT_512 = 0 or 1, read once, overrides the detection so that tests and benchmarks
 /// can run either form on any AVX-512 machine.
 bool cpu_splits_512bit_ops() noexcept;

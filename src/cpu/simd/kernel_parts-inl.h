@@ -232,7 +232,7 @@ using VI = hn::Vec<DI>;
 /// (backward_pass::pair_dp): AVX-512, where a mask register makes the per-row choice of a pair's
 /// even or odd V column one blend beside the FMA; on Zen 4 a blend and an FMA issue together (an
 /// isolated loop: 2.9 blend + FMA pairs per ns against 3.6 FMAs per ns), so half the FMAs of the
-/// dense dP cost about 60% of its time (docs/design.md, "The backward").
+/// dense dP cost at best 62% of its time; measured about 70% (docs/design.md, "The backward").
 #undef DFSS_SIMD_PAIR_DP
 #if DFSS_SIMD_KERNEL_TARGET && HWY_TARGET == HWY_AVX3
 #define DFSS_SIMD_PAIR_DP 1
@@ -426,7 +426,7 @@ HWY_INLINE void add_row_combination(float* acc, int dp, int n, const Weight& wei
 }
 
 #if !HWY_HAVE_SCALABLE
-/// Column vectors per output of add_row_pair's register block: two outputs of this many
+/// Column vectors per output of add_rows_pair's register block: two outputs of this many
 /// accumulators plus two broadcasts fit 16 registers at 4 (SSE4, AVX2) and 32 at 8.
 #if HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2
 inline constexpr int kPairRowVectors = 4;
@@ -477,19 +477,9 @@ HWY_INLINE void add_row_combination_pair(float* a_out, float* b_out, int dp, int
   for (int c0 = 0; c0 < dp; c0 += kPairRowVectors * L) {
     const auto ra_c = [&](int t) { return ra(t) + c0; };
     const auto rb_c = [&](int t) { return rb(t) + c0; };
-    const auto run = [&](auto nv) {
+    with_column_vectors(std::min(kPairRowVectors, (dp - c0) / L), [&](auto nv) {
       add_rows_pair<decltype(nv)::value>(a_out + c0, b_out + c0, n, wa, ra_c, wb, rb_c);
-    };
-    switch (std::min(kPairRowVectors, (dp - c0) / L)) {
-      case 1: run(std::integral_constant<int, 1>()); break;
-      case 2: run(std::integral_constant<int, 2>()); break;
-      case 3: run(std::integral_constant<int, 3>()); break;
-      case 4: run(std::integral_constant<int, 4>()); break;
-      case 5: run(std::integral_constant<int, 5>()); break;
-      case 6: run(std::integral_constant<int, 6>()); break;
-      case 7: run(std::integral_constant<int, 7>()); break;
-      default: run(std::integral_constant<int, kPairRowVectors>()); break;
-    }
+    });
   }
 }
 #endif  // !HWY_HAVE_SCALABLE
@@ -695,7 +685,7 @@ struct kernel {
       ws.ds_keys.resize(block);
       ws.row_d.resize(kRowsPerTask);
       ws.row_lse2.resize(kRowsPerTask);
-      if (p_.pattern_n == 1 && p_.pattern_m == 2) {
+      if (DFSS_SIMD_PAIR_DP && p_.pattern_n == 1 && p_.pattern_m == 2) {
         ws.vt_pairs.resize(static_cast<std::size_t>(lk_pad_) * static_cast<std::size_t>(dp_));
         ws.dpk.resize(static_cast<std::size_t>(kRowsPerTask * (w_ / 2)));
       }

@@ -296,6 +296,38 @@ TEST(CpuDecode, DirectAndPanelTilesInOneTask) {
   }
 }
 
+TEST(CpuDecode, NonFiniteValuesKeptByOneHeadOfAGroup) {
+  // The direct path adds a tile's V rows to every row of the group at once, with weight 0 for a
+  // row that did not keep the key; 0 * inf is NaN, so a tile whose kept V rows hold inf or NaN must
+  // not reach a row that pruned them. Grouped heads (4 query heads per kv head) with tame integer K,
+  // so the heads keep different keys exactly, and V with +inf, -inf and NaN at a few keys:
+  // against the fp64 reference, a row is NaN or inf iff it kept such a key.
+  std::mt19937_64 rng(test_seed() + 106);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
+    shape s{1, 2, 1500, 8, 2, 64, true, false, {}};
+    problem pr = make_problem(s, pat, rng, /*integers=*/true);
+    // A few keys only, so that about half of the rows keep none of them (8 rows per kv head).
+    const auto v_at = [&pr](std::int64_t j, std::int64_t hk, std::int64_t c) {
+      return static_cast<std::size_t>((j * pr.Hkv + hk) * pr.d + c);
+    };
+    pr.v[v_at(700, 0, 3)] = inf;
+    pr.v[v_at(1203, 0, 60)] = -inf;
+    pr.v[v_at(1201, 1, 10)] = std::numeric_limits<double>::quiet_NaN();
+    const auto want = run_forward(pr);
+    std::size_t finite_rows = 0, bad_rows = 0;
+    for (std::size_t r = 0; r < want.o.size() / static_cast<std::size_t>(pr.d); ++r) {
+      bool finite = true;
+      for (std::int64_t c = 0; c < pr.d; ++c) finite = finite && std::isfinite(want.o[r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c)]);
+      ++(finite ? finite_rows : bad_rows);
+    }
+    // Both kinds of rows must occur for the test to mean something.
+    ASSERT_GT(finite_rows, 0u) << pat.n << ":" << pat.m;
+    ASSERT_GT(bad_rows, 0u) << pat.n << ":" << pat.m;
+    expect_matches_on_every_isa(pr, want, /*check_lse=*/false);
+  }
+}
+
 /// Shapes the fused forward splits over key chunks (Lq > kDecodeMaxQueryRows, fewer than 32 row
 /// tasks of 32 query rows, Lk >= 2048): 2 to 8 chunks of whole key tiles; key lengths ending inside
 /// a chunk and a group, and 0; causal rows with Lq < Lk; GQA and MHA; a bias; an odd d.

@@ -66,6 +66,10 @@ inline constexpr std::int64_t kPrefetchTiles = 1;
 /// ms; fp32 caches and MHA within the runs' noise both times. Scratch grows with it (the S tile of
 /// group * Lq rows, the kept slots), still a few hundred KiB at most per thread.
 inline constexpr int kDecodeKeyTile = 256;
+/// Keys per block of the key-major P V (key_major_accumulate): a block's V rows are read once from
+/// memory by the first column slice and again from L1 by the others and by further row blocks;
+/// 32 rows of fp32 at d = 128 are 16 KiB, half of Zen 4's L1.
+inline constexpr int kKeyMajorBlock = 32;
 /// Bytes per prefetch: the cache line of every x86-64 and AArch64 core dfss targets.
 inline constexpr std::int64_t kCacheLine = 64;
 
@@ -87,6 +91,14 @@ namespace dfss::cpu::simd::HWY_NAMESPACE {
 
 #if DFSS_SIMD_KERNEL_TARGET
 
+/// Accumulators in key_major_accumulate's register block (rows x column vectors): half the
+/// registers, leaving room for the block's loaded V vectors, a broadcast weight and the check.
+#if HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2
+inline constexpr int kKeyMajorAccumulators = 8;
+#else
+inline constexpr int kKeyMajorAccumulators = 16;
+#endif
+
 #if !HWY_HAVE_SCALABLE
 /// Stores the 128-bit blocks of @p v: block b at dst + b * stride.
 template <class D>
@@ -106,7 +118,9 @@ HWY_INLINE void store_blocks(D d, hn::Vec<D> v, float* dst, std::int64_t stride)
 /// offsets, accumulator and softmax state.
 struct decode_workspace {
   aligned_buffer<float> q, q_max, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
+  aligned_buffer<float> weights, acc_saved, part;  ///< key-major P V of a direct tile: [rows][W] weights, acc before it
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
+  aligned_buffer<std::int32_t> union_keys, union_mark;  ///< the tile's keys some row kept, and their marks
   aligned_buffer<std::uint16_t> touch;  ///< where direct_accumulate's read of a whole V tile ends up
   int tile_keys[2] = {0, 0};            ///< per slot set (parity): keys of the tile before tile_end
   bool direct[2] = {false, false};      ///< per slot set (parity): the tile took the direct path
@@ -165,6 +179,12 @@ class decode_pass : public kernel<T> {
     ws.s.resize(rows * w);
     ws.vt.resize((w + 1) * dp);
     ws.acc.resize(rows * dp);
+    ws.weights.resize(rows * w);
+    ws.acc_saved.resize(rows * dp);
+    ws.part.resize(4 * static_cast<std::size_t>(lanes_) * static_cast<std::size_t>(lanes_));
+    ws.union_keys.resize(w);
+    ws.union_mark.resize(w);
+    std::fill(ws.union_mark.ptr, ws.union_mark.ptr + w, 0);
     // Two sets of compacted slots, kept counts and used keys: the tile being selected and the one
     // whose P V is pending.
     ws.cv.resize(2 * rows * static_cast<std::size_t>(cstride_));
@@ -309,66 +329,143 @@ class decode_pass : public kernel<T> {
   }
 
 #if !HWY_HAVE_SCALABLE
-  /// Scores of R task rows (Q at @p q, row stride dp) against the @p keys cache rows k + t * step,
-  /// into s[r * W + t]: per (row, key) one vector of partial sums over the columns in vector steps,
-  /// in increasing order, then the sum of its lanes. A key's row is read whole before the next
-  /// key's, so the loads run in address order: interleaving the rows of a few keys (more
-  /// independent FMA chains) made the hardware prefetcher lose the stream, 19 against 30 GB/s on one
-  /// Zen 5 core. NV: vectors per row (0: d / lanes at run time). With Check, also whether every
-  /// value of those K rows is tame (|x| <= 2^50, row_is_tame's test, done on the bits so that NaN
-  /// and inf compare above every finite magnitude).
-  template <int R, int NV, bool Check>
-  HWY_INLINE bool dot_tile(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k, std::int64_t step, int keys,
-                           float* HWY_RESTRICT s, float* max_k) const {
+  /// Rows per block of the direct path's Q K^T for NV vectors per row: on AVX-512 as many rows as
+  /// keep their Q in 16 of the 32 registers across a block of keys (2 at d = 128, 4 at d = 64), so
+  /// that a key costs one load per vector and FMA chain; elsewhere (and for a d known only at run
+  /// time) 4 rows whose Q vectors are read from L1 beside each K vector.
+  template <int NV>
+  static constexpr int dot_block_rows() {
+#if HWY_TARGET <= HWY_AVX3
+    return NV > 0 ? std::clamp(16 / NV, 1, 4) : 4;
+#else
+    return 4;
+#endif
+  }
+
+  /// Partial dot products of R task rows (Q at @p q, row stride dp) with @p n <= lanes cache rows
+  /// k + t * step: per (row, key) one vector of partial sums over the columns in vector steps, in
+  /// increasing order, stored at part[(r * lanes + t) * lanes] (zero vectors for t >= n), for
+  /// sum_lanes_transposed. A key's row is read whole before the next key's, so the loads run in
+  /// address order: interleaving the rows of a few keys (more independent FMA chains) made the
+  /// hardware prefetcher lose the stream, 19 against 30 GB/s on one Zen 5 core. NV: vectors per row
+  /// (0: d / lanes at run time). With @p check, @p top gets the largest magnitude bits of the K
+  /// values read (row_is_tame's test on the bits, so that NaN and inf compare above every finite
+  /// magnitude).
+  template <int R, int NV>
+  HWY_INLINE void dot_block(bool check, const float* HWY_RESTRICT q, const T* HWY_RESTRICT k, std::int64_t step, int n,
+                            float* HWY_RESTRICT part, VI& top) const {
     const DF d;
     const DI di;
     const int nv = NV > 0 ? NV : d_ / lanes_;
     const VI magnitude = hn::Set(di, 0x7fffffff);
-    VI top = hn::Zero(di);
-    for (int t = 0; t < keys; ++t) {
+    constexpr bool kHeld = NV > 0 && dot_block_rows<NV>() == R && R * NV <= 16;
+    VF qv[kHeld ? R : 1][kHeld ? NV : 1];
+    if constexpr (kHeld) {
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < NV; ++c) qv[r][c] = hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
+      }
+    }
+    VI t_top = top;
+    const auto q_at = [&](int r, int c) {
+      if constexpr (kHeld) return qv[r][c];
+      else return hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
+    };
+    for (int t = 0; t < n; ++t) {
       const T* row = k + t * step;
       VF a[R];
       for (int r = 0; r < R; ++r) a[r] = hn::Zero(d);
       for (int c = 0; c < nv; ++c) {
         const VF kc = this->load_value(row + c * lanes_);
-        if constexpr (Check) top = hn::Max(top, hn::And(hn::BitCast(di, kc), magnitude));
-        for (int r = 0; r < R; ++r) {
-          a[r] = hn::MulAdd(hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * lanes_), kc, a[r]);
-        }
+        if (check) t_top = hn::Max(t_top, hn::And(hn::BitCast(di, kc), magnitude));
+        for (int r = 0; r < R; ++r) a[r] = hn::MulAdd(q_at(r, c), kc, a[r]);
       }
-      for (int r = 0; r < R; ++r) s[static_cast<std::int64_t>(r) * w_ + t] = hn::GetLane(hn::SumOfLanes(d, a[r]));
+      for (int r = 0; r < R; ++r) hn::Store(a[r], d, part + (static_cast<std::int64_t>(r) * lanes_ + t) * lanes_);
     }
-    if constexpr (!Check) return true;
-    const VI above = hn::Set(di, 0x58800001);  // the bits of 2^50, plus one
-    if (!hn::AllTrue(di, hn::Lt(top, above))) return false;
-    *max_k = hn::GetLane(hn::BitCast(d, hn::MaxOfLanes(di, top)));  // finite: the largest |k|
-    return true;
+    for (int t = n; t < lanes_; ++t) {
+      for (int r = 0; r < R; ++r) hn::Store(hn::Zero(d), d, part + (static_cast<std::int64_t>(r) * lanes_ + t) * lanes_);
+    }
+    top = t_top;
   }
 
-  /// dot_tile for @p rows = 1, 2 or 4 rows, with the vectors per row dispatched.
-  template <bool Check>
-  bool dot_rows(int rows, const float* q, const T* k, std::int64_t step, int keys, float* s, float* max_k) const {
-    const int nv = d_ / lanes_;
-#define DFSS_DOT_TILE(R)                                                   \
-  switch (nv) {                                                            \
-    case 4: return dot_tile<R, 4, Check>(q, k, step, keys, s, max_k);      \
-    case 8: return dot_tile<R, 8, Check>(q, k, step, keys, s, max_k);      \
-    case 16: return dot_tile<R, 16, Check>(q, k, step, keys, s, max_k);    \
-    default: return dot_tile<R, 0, Check>(q, k, step, keys, s, max_k);     \
-  }
-    if (rows >= 4) {
-      DFSS_DOT_TILE(4)
-    } else if (rows >= 2) {
-      DFSS_DOT_TILE(2)
+  /// s[t] = the sum of the lanes of vector t at part + t * lanes, for t < lanes: a transposing tree
+  /// (pairs of vectors interleaved and added, then pairs of those, then the 128-bit blocks), about
+  /// 3 instructions per vector where a sum of lanes per vector takes about 10 on AVX-512 (it was
+  /// a third of the direct Q K^T's instructions with grouped heads).
+  HWY_INLINE void sum_lanes_transposed(const float* HWY_RESTRICT part, float* HWY_RESTRICT s) const {
+    const DF d;
+    const hn::Repartition<std::uint64_t, DF> du;
+    constexpr int L = static_cast<int>(hn::MaxLanes(DF()));
+    if constexpr (L == 4 || L == 8 || L == 16) {
+      // Per 128-bit block, the partial sums of 4 keys: (a, b) -> [a0+a2, b0+b2, a1+a3, b1+b3], then
+      // two such with their 64-bit halves interleaved -> [a, b, c, d].
+      VF w[L / 4];
+      for (int g = 0; g < L / 4; ++g) {
+        const float* p = part + static_cast<std::int64_t>(4 * g) * L;
+        const VF v0 = hn::Load(d, p), v1 = hn::Load(d, p + L), v2 = hn::Load(d, p + 2 * L), v3 = hn::Load(d, p + 3 * L);
+        const VF u01 = hn::Add(hn::InterleaveLower(d, v0, v1), hn::InterleaveUpper(d, v0, v1));
+        const VF u23 = hn::Add(hn::InterleaveLower(d, v2, v3), hn::InterleaveUpper(d, v2, v3));
+        const auto x01 = hn::BitCast(du, u01), x23 = hn::BitCast(du, u23);
+        w[g] = hn::Add(hn::BitCast(d, hn::InterleaveLower(du, x01, x23)), hn::BitCast(d, hn::InterleaveUpper(du, x01, x23)));
+      }
+      if constexpr (L == 4) {
+        hn::Store(w[0], d, s);
+      } else if constexpr (L == 8) {
+        // Block 0 of w[0] + block 1 of w[0], likewise w[1].
+        hn::Store(hn::Add(hn::ConcatLowerLower(d, w[1], w[0]), hn::ConcatUpperUpper(d, w[1], w[0])), d, s);
+      } else {
+#if HWY_TARGET <= HWY_AVX3
+        // The 256-bit halves of each w added (two w per vector), then its remaining two blocks.
+        const VF x01 = hn::Add(hn::ConcatLowerLower(d, w[1], w[0]), hn::ConcatUpperUpper(d, w[1], w[0]));
+        const VF x23 = hn::Add(hn::ConcatLowerLower(d, w[3], w[2]), hn::ConcatUpperUpper(d, w[3], w[2]));
+        const VF even = VF{_mm512_shuffle_f32x4(x01.raw, x23.raw, _MM_SHUFFLE(2, 0, 2, 0))};
+        const VF odd = VF{_mm512_shuffle_f32x4(x01.raw, x23.raw, _MM_SHUFFLE(3, 1, 3, 1))};
+        hn::Store(hn::Add(even, odd), d, s);
+#endif
+      }
     } else {
-      DFSS_DOT_TILE(1)
+      for (int t = 0; t < L; ++t) s[t] = hn::GetLane(hn::SumOfLanes(d, hn::Load(d, part + static_cast<std::int64_t>(t) * L)));
     }
-#undef DFSS_DOT_TILE
+  }
+
+  /// The direct tile's scores into s[r * W + t] for NV vectors per row, key blocks of one vector's
+  /// lanes: per block every row block's partial sums (the first row block checking the K values
+  /// as they stream in from memory, the others reading them from L1), then their lanes summed.
+  /// Returns whether every K value was tame, with the largest |k| in @p max_k.
+  template <int NV>
+  bool direct_dots(decode_workspace& ws, const T* k, std::int64_t step, int keys, float& max_k) const {
+    constexpr int R = dot_block_rows<NV>();
+    const DI di;
+    VI top = hn::Zero(di);
+    float* part = ws.part.ptr;
+    for (int t0 = 0; t0 < keys; t0 += lanes_) {
+      const int n = std::min(lanes_, keys - t0);
+      const T* kb = k + t0 * step;
+      for (int r0 = 0; r0 < rows_;) {
+        const int left = rows_ - r0;
+        const int rb = left >= R ? R : (left >= 2 ? 2 : 1);
+        const float* q = ws.q.ptr + static_cast<std::int64_t>(r0) * dp_;
+        if (rb == R) {
+          dot_block<R, NV>(r0 == 0, q, kb, step, n, part, top);
+        } else if (rb == 2) {
+          dot_block<2, NV>(r0 == 0, q, kb, step, n, part, top);
+        } else {
+          dot_block<1, NV>(r0 == 0, q, kb, step, n, part, top);
+        }
+        for (int r = 0; r < rb; ++r) {
+          sum_lanes_transposed(part + static_cast<std::int64_t>(r) * lanes_ * lanes_, ws.s.ptr + static_cast<std::int64_t>(r0 + r) * w_ + t0);
+        }
+        r0 += rb;
+      }
+    }
+    const VI above = hn::Set(di, 0x58800001);  // the bits of 2^50, plus one
+    if (!hn::AllTrue(di, hn::Lt(top, above))) return false;
+    max_k = hn::GetLane(hn::BitCast(DF(), hn::MaxOfLanes(di, top)));  // finite: the largest |k|
+    return true;
   }
 #endif
 
   /// S of tile j0 by the direct path: each key's row is read straight from the cache, once and in
-  /// address order, and dotted with every task row (dot_rows). That is the order the hardware
+  /// address order, and dotted with every task row (direct_dots). That is the order the hardware
   /// prefetcher streams at the memory's rate: the panel path (a copy and a transpose per key, and
   /// software prefetch to make up for it) read the cache at 30-49% of a plain sweep on one thread.
   /// The scores differ from the fused forward's in rounding (another summation order), so the
@@ -381,18 +478,15 @@ class decode_pass : public kernel<T> {
     const int keys = static_cast<int>(std::min<std::int64_t>(w_, tile_end - j0));
     const T* k = static_cast<const T*>(p_.k) + core::offset4(p_.k_stride, b, j0, hk, 0);
     const std::int64_t step = p_.k_stride[1];
-    // Rows in blocks of 4, 2 or 1. The first block checks the tile's K rows as they stream in; the
-    // others read them from L1.
-    const auto block = [](int left) { return left >= 4 ? 4 : (left >= 2 ? 2 : 1); };
-    int r = block(rows_);
     float max_k = 0.0f;
-    if (!dot_rows<true>(r, ws.q.ptr, k, step, keys, ws.s.ptr, &max_k)) return false;
-    while (r < rows_) {
-      const int n = block(rows_ - r);
-      dot_rows<false>(n, ws.q.ptr + static_cast<std::int64_t>(r) * dp_, k, step, keys, ws.s.ptr + static_cast<std::int64_t>(r) * w_,
-                      nullptr);
-      r += n;
+    bool tame = false;
+    switch (d_ / lanes_) {
+      case 4: tame = direct_dots<4>(ws, k, step, keys, max_k); break;
+      case 8: tame = direct_dots<8>(ws, k, step, keys, max_k); break;
+      case 16: tame = direct_dots<16>(ws, k, step, keys, max_k); break;
+      default: tame = direct_dots<0>(ws, k, step, keys, max_k); break;
     }
+    if (!tame) return false;
     if (p_.pattern_n < p_.pattern_m) settle_near_ties(ws, k, step, keys, max_k);
     // Keys at or past tile_end are masked for every row (the panel path's zero rows).
     for (int rr = 0; rr < rows_; ++rr) std::fill(ws.s.ptr + static_cast<std::int64_t>(rr) * w_ + keys, ws.s.ptr + static_cast<std::int64_t>(rr + 1) * w_, 0.0f);
@@ -527,6 +621,7 @@ class decode_pass : public kernel<T> {
 #if !HWY_HAVE_SCALABLE
     const T* v = static_cast<const T*>(p_.v);
     const std::int64_t row0 = core::offset4(p_.v_stride, b, j0, hk, 0), step = p_.v_stride[1];
+    if (rows_ >= 2 && key_major_accumulate(ws, parity, v + row0, step)) return;
     if (!dense_ && sizeof(T) == 2) {
       // A 16-bit cache's V tile is first read whole, in address order, one load per cache line
       // (OR-ed into a value nobody uses), then the kept rows from L1. The hardware prefetcher
@@ -563,6 +658,106 @@ class decode_pass : public kernel<T> {
   }
 
 #if !HWY_HAVE_SCALABLE
+  /// P V of a direct tile for a group of rows (grouped heads, draft rows), key-major: each V row
+  /// some row of the group kept is read once and added to every row of the group, with weight 0
+  /// where a row did not keep the key. Row by row (the single-row loop below) every row re-read
+  /// the whole tile of V, 128 KiB at d = 128 in fp32, from L2: that was half of a GQA decode step's
+  /// time in a profile (Zen 4, 32:8, fp32 cache), more than its Q K^T. Per row the keys are added
+  /// in increasing order. A weight of 0 leaves an accumulator unchanged only against a finite V
+  /// value (0 * inf is NaN): the V values read are checked as they stream in, and a tile with a
+  /// non-finite one among them is undone (@p acc restored) and left to the row-by-row loop, which
+  /// reads only each row's own keys. Returns whether the tile was done here.
+  bool key_major_accumulate(decode_workspace& ws, int parity, const T* v, std::int64_t step) const {
+    const int keys = ws.tile_keys[parity];
+    float* weights = ws.weights.ptr;
+    std::int32_t* mark = ws.union_mark.ptr;
+    for (int r = 0; r < rows_; ++r) {
+      float* wr = weights + static_cast<std::int64_t>(r) * w_;
+      std::fill(wr, wr + keys, 0.0f);
+      const int n = ws.kept.ptr[parity * rows_mk_ + r];
+      const float* cv = slot_val(ws, parity, r);
+      const std::int32_t* ci = slot_idx(ws, parity, r);
+      for (int k = 0; k < n; ++k) {
+        wr[ci[k]] = cv[k];
+        mark[ci[k]] = 1;
+      }
+    }
+    std::int32_t* ukeys = ws.union_keys.ptr;
+    int nu = 0;
+    for (int t = 0; t < keys; ++t) {
+      if (mark[t] == 0) continue;
+      mark[t] = 0;
+      ukeys[nu++] = t;
+    }
+    if (nu == 0) return true;
+    const std::int64_t acc_floats = static_cast<std::int64_t>(rows_) * dp_;
+    std::copy(ws.acc.ptr, ws.acc.ptr + acc_floats, ws.acc_saved.ptr);
+    const DI di;
+    VI top = hn::Zero(di);
+    const int nv = dp_ / lanes_;
+    for (int k0 = 0; k0 < nu; k0 += kKeyMajorBlock) {
+      const int n = std::min(kKeyMajorBlock, nu - k0);
+      for (int r0 = 0; r0 < rows_;) {
+        const int rr = rows_ - r0 >= 4 ? 4 : (rows_ - r0 >= 2 ? 2 : 1);
+        const int cmax = std::min(8, kKeyMajorAccumulators / rr);
+        for (int c = 0; c < nv; c += cmax) {
+          float* acc = ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_ + c * lanes_;
+          const float* wt = weights + static_cast<std::int64_t>(r0) * w_;
+          const T* base = v + c * lanes_;
+          // The first row block reads every V value of the block: it checks them.
+          with_column_vectors(std::min(cmax, nv - c), [&](auto cv) {
+            constexpr int C = decltype(cv)::value;
+            if (rr == 4) {
+              add_keys_to_rows<4, C>(r0 == 0, acc, wt, ukeys + k0, n, base, step, top);
+            } else if (rr == 2) {
+              add_keys_to_rows<2, C>(r0 == 0, acc, wt, ukeys + k0, n, base, step, top);
+            } else {
+              add_keys_to_rows<1, C>(r0 == 0, acc, wt, ukeys + k0, n, base, step, top);
+            }
+          });
+        }
+        r0 += rr;
+      }
+    }
+    if (hn::AllTrue(di, hn::Lt(top, hn::Set(di, 0x7f800000)))) return true;  // every value finite
+    std::copy(ws.acc_saved.ptr, ws.acc_saved.ptr + acc_floats, ws.acc.ptr);
+    return false;
+  }
+
+  /// acc row r (stride dp), columns [0, C vectors) += sum over the @p n keys t = keys[k] of
+  /// wt[r * W + t] * V row t (at base + t * step), for R rows; with @p check, top gets the largest
+  /// magnitude bits of the V values read.
+  template <int R, int C>
+  HWY_INLINE void add_keys_to_rows(bool check, float* HWY_RESTRICT acc, const float* HWY_RESTRICT wt,
+                                   const std::int32_t* HWY_RESTRICT keys, int n, const T* HWY_RESTRICT base,
+                                   std::int64_t step, VI& top) const {
+    const DF d;
+    const DI di;
+    VF a[R][C];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) a[r][c] = hn::Load(d, acc + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
+    }
+    const VI magnitude = hn::Set(di, 0x7fffffff);
+    VI t_top = top;
+    for (int k = 0; k < n; ++k) {
+      const std::int32_t t = keys[k];
+      const T* src = base + t * step;
+      VF x[C];
+      for (int c = 0; c < C; ++c) x[c] = this->load_value(src + c * lanes_);
+      if (check) {
+        for (int c = 0; c < C; ++c) t_top = hn::Max(t_top, hn::And(hn::BitCast(di, x[c]), magnitude));
+      }
+      for (int r = 0; r < R; ++r) {
+        const VF w = hn::Set(d, wt[static_cast<std::int64_t>(r) * w_ + t]);
+        for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(w, x[c], a[r][c]);
+      }
+    }
+    top = t_top;
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) hn::Store(a[r][c], d, acc + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
+    }
+  }
+
   /// acc[0, NV vectors) += sum over k < n of wt[k] * row(k), keys in slot order (add_rows' order).
   template <int NV, typename Row>
   HWY_INLINE void add_cache_rows(float* HWY_RESTRICT acc, int n, const float* HWY_RESTRICT wt, const Row& row) const {

@@ -338,7 +338,7 @@ class decode_pass : public kernel<T> {
 #if HWY_TARGET <= HWY_AVX3
     return NV > 0 ? std::clamp(16 / NV, 1, 4) : 4;
 #else
-    return 4;
+    return NV > 0 ? std::clamp(16 / NV, 1, 4) : 4;
 #endif
   }
 
@@ -660,13 +660,13 @@ class decode_pass : public kernel<T> {
 #if !HWY_HAVE_SCALABLE
   /// P V of a direct tile for a group of rows (grouped heads, draft rows), key-major: each V row
   /// some row of the group kept (or, where that is most of the tile, every row of the tile) is read
-  /// once and added to every row of the group, with weight 0 where a row did not keep the key. Row by row (the single-row loop below) every row re-read
-  /// the whole tile of V, 128 KiB at d = 128 in fp32, from L2: that was half of a GQA decode step's
-  /// time in a profile (Zen 4, 32:8, fp32 cache), more than its Q K^T. Per row the keys are added
-  /// in increasing order. A weight of 0 leaves an accumulator unchanged only against a finite V
-  /// value (0 * inf is NaN): the V values read are checked as they stream in, and a tile with a
-  /// non-finite one among them is undone (@p acc restored) and left to the row-by-row loop, which
-  /// reads only each row's own keys. Returns whether the tile was done here.
+  /// once and added to every row of the group, with weight 0 where a row did not keep the key. Row
+  /// by row (the single-row loop below) every row re-read the whole tile of V, 128 KiB at d = 128
+  /// in fp32, from L2: that was half of a GQA decode step's time in a profile (Zen 4, 32:8, fp32
+  /// cache), more than its Q K^T. Per row the keys are added in increasing order. A weight of 0
+  /// leaves an accumulator unchanged only against a finite V value (0 * inf is NaN), so a tile
+  /// whose accumulators come out non-finite is undone (@p acc restored) and left to the row-by-row
+  /// loop, which reads only each row's own keys. Returns whether the tile was done here.
   bool key_major_accumulate(decode_workspace& ws, int parity, const T* v, std::int64_t step) const {
     const int keys = ws.tile_keys[parity];
     float* weights = ws.weights.ptr;
@@ -700,20 +700,14 @@ class decode_pass : public kernel<T> {
     }
     const std::int64_t acc_floats = static_cast<std::int64_t>(rows_) * dp_;
     std::copy(ws.acc.ptr, ws.acc.ptr + acc_floats, ws.acc_saved.ptr);
-    const DI di;
-    VI top = hn::Zero(di);
     const int nv = dp_ / lanes_;
-    const VI magnitude = hn::Set(di, 0x7fffffff);
     for (int k0 = 0; k0 < nu; k0 += kKeyMajorBlock) {
       const int n = std::min(kKeyMajorBlock, nu - k0);
-      // The block's V rows read whole, in address order, and checked: the column slices below then
-      // read them from L1. Slices straight from memory (one 64-byte line of each 512-byte row at a
-      // time on AVX2) lost the hardware prefetcher's stream: AVX2, GQA 32:8, fp32, one Zen 4
-      // thread, 10.5 -> 15.3 ms.
-      for (int k = 0; k < n; ++k) {
-        const T* src = v + ukeys[k0 + k] * step;
-        for (int c = 0; c < nv; ++c) top = hn::Max(top, hn::And(hn::BitCast(di, this->load_value(src + c * lanes_)), magnitude));
-      }
+      // The block's V rows touched whole, in address order: the column slices below then read them
+      // from L1. Slices straight from memory (one 64-byte line of each 512-byte row at a time on
+      // AVX2, four on AVX-512) lost the hardware prefetcher's stream: GQA 32:8, fp32, one Zen 4
+      // thread, AVX2 15.4 -> 9.2 ms, AVX-512 12.3-15.1 -> 9.8-12.8 ms (a noisy hour).
+      touch_rows(ws, v, step, ukeys + k0, n);
       for (int r0 = 0; r0 < rows_;) {
         const int rr = rows_ - r0 >= 4 ? 4 : (rows_ - r0 >= 2 ? 2 : 1);
         const int cmax = std::min(8, kKeyMajorAccumulators / rr);
@@ -735,9 +729,41 @@ class decode_pass : public kernel<T> {
         r0 += rr;
       }
     }
-    if (hn::AllTrue(di, hn::Lt(top, hn::Set(di, 0x7f800000)))) return true;  // every value finite
+    // A non-finite V value read reaches every row's accumulator in its column (w inf or 0 inf), so
+    // finite accumulators mean every value read was finite.
+    if (all_finite(ws.acc.ptr, acc_floats)) return true;
     std::copy(ws.acc_saved.ptr, ws.acc_saved.ptr + acc_floats, ws.acc.ptr);
     return false;
+  }
+
+  /// One load per cache line of the @p n V rows base + keys[k] * step, in address order (OR-ed into
+  /// a value nobody uses), so that column slices of those rows then come from L1.
+  void touch_rows(decode_workspace& ws, const T* base, std::int64_t step, const std::int32_t* keys, int n) const {
+    const hn::Rebind<std::uint16_t, DF> du;
+    auto any = hn::Zero(du);
+    constexpr std::int64_t kPerLine = kCacheLine / static_cast<std::int64_t>(sizeof(std::uint16_t));
+    const std::int64_t units = static_cast<std::int64_t>(d_) * static_cast<std::int64_t>(sizeof(T) / 2);
+    const std::int64_t last = units - static_cast<std::int64_t>(hn::Lanes(du));
+    for (int k = 0; k < n; ++k) {
+      const auto* row = reinterpret_cast<const std::uint16_t*>(base + keys[k] * step);
+      for (std::int64_t x = 0; x < units; x += kPerLine) any = hn::Or(any, hn::LoadU(du, row + std::min(x, last)));
+    }
+    hn::StoreU(any, du, reinterpret_cast<std::uint16_t*>(ws.touch.ptr));
+  }
+
+  /// Whether the @p n floats at @p x are all finite.
+  static bool all_finite(const float* x, std::int64_t n) {
+    const DF d;
+    const DI di;
+    const VI exponent = hn::Set(di, 0x7f800000);
+    auto bad = hn::Lt(hn::Zero(di), hn::Zero(di));
+    std::int64_t i = 0;
+    for (; i + static_cast<std::int64_t>(hn::Lanes(d)) <= n; i += static_cast<std::int64_t>(hn::Lanes(d))) {
+      bad = hn::Or(bad, hn::Eq(hn::And(hn::BitCast(di, hn::LoadU(d, x + i)), exponent), exponent));
+    }
+    bool ok = hn::AllFalse(di, bad);
+    for (; i < n; ++i) ok = ok && std::isfinite(x[i]);
+    return ok;
   }
 
   /// acc row r (stride dp), columns [0, C vectors) += sum over the @p n keys t = keys[k] of

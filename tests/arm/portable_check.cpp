@@ -303,7 +303,9 @@ void check_target() {
   struct shape {
     std::int64_t B, Lq, Lk, H, Hkv, d;
   };
-  for (const shape s : {shape{1, 5, 9, 2, 1, 3}, shape{2, 33, 130, 2, 2, 16}, shape{1, 40, 257, 4, 2, 64}}) {
+  // {1, 3, 300, 8, 2, 16}: a decode step whose d fills whole NEON vectors (the direct path) with a
+  // group of 12 rows (the key-major P V, row blocks of 4) and a partial key tile.
+  for (const shape s : {shape{1, 5, 9, 2, 1, 3}, shape{1, 3, 300, 8, 2, 16}, shape{2, 33, 130, 2, 2, 16}, shape{1, 40, 257, 4, 2, 64}}) {
     for (dfss::pattern pat : {dfss::pattern{1, 1}, dfss::pattern{1, 2}, dfss::pattern{2, 4}, dfss::pattern{3, 8}}) {
       for (bool causal : {false, true}) {
         const auto nq = static_cast<std::size_t>(s.B * s.Lq * s.H * s.d), nk = static_cast<std::size_t>(s.B * s.Lk * s.Hkv * s.d);

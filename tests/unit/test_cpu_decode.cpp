@@ -157,40 +157,45 @@ TEST(CpuDecode, MatchesReferenceOnExactScoresForEveryThreadCount) {
 }
 
 TEST(CpuDecode, MatchesReferenceOnRandomInputs) {
+  // In fp32, and in bf16 (inputs rounded to bf16, so the reference sees what the kernel reads; a
+  // bf16 cache on avx3_bf16 takes the bf16 dot products, whose near ties are settled like fp32's).
   std::mt19937_64 rng(test_seed() + 102);
   for (const shape& base : decode_shapes()) {
     shape s = base;
     s.bias = false;  // keep the near-tie analysis to Q K^T alone
     for (pattern pat : kPatterns) {
       const problem pr = make_problem(s, pat, rng, /*integers=*/false);
-      problem r32 = pr;
-      r32.q = round_through<float>(pr.q);
-      r32.k = round_through<float>(pr.k);
-      r32.v = round_through<float>(pr.v);
-      const auto want = run_forward(r32);
-      // fp32 dot products of d terms in [-1, 1]: error below d eps_f32 (times 4 for margin).
-      const auto ties = near_tie_rows(r32, 4.0 * static_cast<double>(pr.d) * kEps32);
-      const double tol = output_tol(pr);
-      for (cpu_isa isa : runnable_cpu_isas()) {
-        run_options opt;
-        opt.type = dtype::f32;
-        opt.backend = backend::cpu;
-        opt.isa = isa;
-        const auto got = run_forward(r32, opt);
-        std::size_t skipped = 0;
-        for (std::size_t r = 0; r < ties.size(); ++r) {
-          if (ties[r]) {
-            ++skipped;
-            continue;
+      for (dtype t : {dtype::f32, dtype::bf16}) {
+        problem rt = pr;
+        rt.q = t == dtype::f32 ? round_through<float>(pr.q) : round_through<bfloat16>(pr.q);
+        rt.k = t == dtype::f32 ? round_through<float>(pr.k) : round_through<bfloat16>(pr.k);
+        rt.v = t == dtype::f32 ? round_through<float>(pr.v) : round_through<bfloat16>(pr.v);
+        const auto want = run_forward(rt);
+        // fp32 dot products of d terms in [-1, 1]: error below d eps_f32 (times 4 for margin).
+        const auto ties = near_tie_rows(rt, 4.0 * static_cast<double>(pr.d) * kEps32);
+        const double tol = output_tol(pr);
+        for (cpu_isa isa : runnable_cpu_isas()) {
+          run_options opt;
+          opt.type = t;
+          opt.out_type = dtype::f32;
+          opt.backend = backend::cpu;
+          opt.isa = isa;
+          const auto got = run_forward(rt, opt);
+          std::size_t skipped = 0;
+          for (std::size_t r = 0; r < ties.size(); ++r) {
+            if (ties[r]) {
+              ++skipped;
+              continue;
+            }
+            for (std::int64_t c = 0; c < pr.d; ++c) {
+              const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
+              ASSERT_NEAR(got.o[x], want.o[x], tol) << label(pr, isa, t) << " row " << r;
+            }
           }
-          for (std::int64_t c = 0; c < pr.d; ++c) {
-            const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
-            ASSERT_NEAR(got.o[x], want.o[x], tol) << label(pr, isa, dtype::f32) << " row " << r;
-          }
+          // Long rows meet many groups, so a near tie somewhere in a row is not rare; most rows must
+          // still be checked for the test to mean something.
+          EXPECT_LE(skipped, ties.size() / 2 + 1) << "too many near-tie rows to be a meaningful test";
         }
-        // Long rows meet many groups, so a near tie somewhere in a row is not rare; most rows must
-        // still be checked for the test to mean something.
-        EXPECT_LE(skipped, ties.size() / 2 + 1) << "too many near-tie rows to be a meaningful test";
       }
     }
   }
@@ -224,29 +229,36 @@ TEST(CpuDecode, ManyChunksAndEmptyRows) {
   }
 }
 
-/// Every runnable ISA on @p pr in fp32 with 1 thread against the fp64 reference @p want (the NaN
-/// pattern of O element by element, then the output tolerance; with @p check_lse the LSE too), and
-/// with 3 threads bitwise equal to 1.
-void expect_matches_on_every_isa(const problem& pr, const forward_result& want, bool check_lse) {
+/// Every runnable ISA on @p pr with 1 thread, in fp32 and, with @p bf16, in bf16 too (inputs of small
+/// integers, times powers of two: exact in both; a decode step's bf16 cache on avx3_bf16 takes the
+/// bf16 dot products), against the fp64 reference @p want (the NaN pattern of O element by element,
+/// then the output tolerance; with @p check_lse the LSE too), and with 3 threads bitwise equal to 1.
+/// The fused forward rounds P to bf16 on avx3_bf16, outside this tolerance: its shapes pass
+/// @p bf16 = false (CpuSplitForward.SixteenBitInputsAndOutputs covers them).
+void expect_matches_on_every_isa(const problem& pr, const forward_result& want, bool check_lse, bool bf16 = true) {
   for (cpu_isa isa : runnable_cpu_isas()) {
-    run_options opt;
-    opt.type = dtype::f32;
-    opt.backend = backend::cpu;
-    opt.isa = isa;
-    opt.threads = 1;
-    const auto one = run_forward(pr, opt);
-    double err = 0;
-    for (std::size_t x = 0; x < one.o.size(); ++x) {
-      ASSERT_EQ(std::isnan(one.o[x]), std::isnan(want.o[x])) << label(pr, isa, dtype::f32) << " at " << x;
-      if (!std::isnan(want.o[x])) err = std::max(err, std::abs(one.o[x] - want.o[x]));
+    for (dtype t : {dtype::f32, dtype::bf16}) {
+      if (t == dtype::bf16 && !bf16) continue;
+      run_options opt;
+      opt.type = t;
+      opt.out_type = dtype::f32;
+      opt.backend = backend::cpu;
+      opt.isa = isa;
+      opt.threads = 1;
+      const auto one = run_forward(pr, opt);
+      double err = 0;
+      for (std::size_t x = 0; x < one.o.size(); ++x) {
+        ASSERT_EQ(std::isnan(one.o[x]), std::isnan(want.o[x])) << label(pr, isa, t) << " at " << x;
+        if (!std::isnan(want.o[x])) err = std::max(err, std::abs(one.o[x] - want.o[x]));
+      }
+      EXPECT_LE(err, output_tol(pr)) << label(pr, isa, t);
+      if (check_lse) {
+        EXPECT_LE(max_rel_err(one.lse, want.lse), (16.0 + static_cast<double>(pr.Lk)) * kEps32) << label(pr, isa, t);
+      }
+      opt.threads = 3;
+      const auto many = run_forward(pr, opt);
+      EXPECT_EQ(0, std::memcmp(many.o.data(), one.o.data(), one.o.size() * sizeof(double))) << label(pr, isa, t);
     }
-    EXPECT_LE(err, output_tol(pr)) << label(pr, isa, dtype::f32);
-    if (check_lse) {
-      EXPECT_LE(max_rel_err(one.lse, want.lse), (16.0 + static_cast<double>(pr.Lk)) * kEps32) << label(pr, isa, dtype::f32);
-    }
-    opt.threads = 3;
-    const auto many = run_forward(pr, opt);
-    EXPECT_EQ(0, std::memcmp(many.o.data(), one.o.data(), one.o.size() * sizeof(double))) << label(pr, isa, dtype::f32);
   }
 }
 
@@ -356,7 +368,7 @@ TEST(CpuSplitForward, MatchesReferenceOnExactScoresForEveryThreadCount) {
   for (const shape& s : split_shapes()) {
     for (pattern pat : kPatterns) {
       const problem pr = make_problem(s, pat, rng, /*integers=*/true);
-      expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true);
+      expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true, /*bf16=*/false);
     }
   }
 }
@@ -401,7 +413,7 @@ TEST(CpuSplitForward, PositionsWindowsAndNonFiniteAcrossChunks) {
     pr.query_offset = {pr.key_offset + 3001, pr.key_offset + 2050 - pr.Lq};
     pr.sink = 5;
     pr.recent = 1100;
-    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true);
+    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true, /*bf16=*/false);
   }
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{4, 4}}) {
@@ -415,7 +427,7 @@ TEST(CpuSplitForward, PositionsWindowsAndNonFiniteAcrossChunks) {
       if (c == 3) pr.k[kv_at(0, 3000, 0, c)] = nan;
       for (std::int64_t j = 1999; j < pr.Lk; ++j) pr.k[kv_at(1, j, 0, c)] = pr.v[kv_at(1, j, 0, c)] = nan;
     }
-    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/false);
+    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/false, /*bf16=*/false);
   }
 }
 

@@ -487,7 +487,8 @@ TEST_P(ExtremeDecode, SlicesMatchReference) {
           opt.isa = kn.isa;
           opt.poison = poison;
           const auto got = run_forward(pr, opt);
-          // The decode forward keeps P in fp32 on every target (avx3_bf16 runs the avx3 one).
+          // The decode forward keeps P in fp32 on every target (avx3_bf16 takes bf16 dot products
+          // for Q K^T only).
           expect_forward_matches(c, pr, got, want, /*p_in_bf16=*/false,
                                  pr.describe() + " rows from " + std::to_string(i0) + " " + dtype_name(t) +
                                      " poison " + std::to_string(poison));

@@ -10,8 +10,10 @@
 //   2. Per key tile of W keys of the chunk, S = Q K^T by one of two paths:
 //      - direct (rows of K and V contiguous, d a multiple of the vector, every K value of the tile
 //        tame): each key's row is read straight from the cache in address order and dotted with
-//        every row of the group (a vector of partial sums, then the sum of its lanes). Bound by the
-//        memory's rate: with both threads busy it reads the cache at about 90% of a plain sweep.
+//        every row of the group (a vector of partial sums per row and key, their lanes summed by a
+//        transposing tree; a bf16 cache on avx3_bf16 by vdpbf16ps, bf16dot::decode_dots). With
+//        MHA, bound by the memory's rate: with both threads busy it reads the cache at 80-100% of
+//        a plain sweep; with grouped heads, by compute as much.
 //      - panel (anything else: a huge or non-finite K value, a risky Q or bias, strided rows): the
 //        tile of K is converted into the micro-kernel's panels and S computed with the fused
 //        forward's micro-kernel (same summation order, so these scores are bitwise the fused
@@ -21,9 +23,10 @@
 //      The direct path sums in another order than the fused forward, so where two scores of a group
 //      are within rounding of each other the two kernels may keep different keys.
 //   3. The V rows of the tile are read only where some row of the group kept the key with a finite
-//      score: a direct tile reads them from the cache while it adds p * V[key] row by row; a panel
-//      tile converts the union of kept rows once into scratch (prefetched when the tile's selection
-//      is known, read after the next tile's scores; a dense pattern's V is prefetched with K).
+//      score: a direct tile reads them from the cache while it adds p * V[key], row by row for one
+//      row, key-major for a group (key_major_accumulate); a panel tile converts the union of kept
+//      rows once into scratch (prefetched when the tile's selection is known, read after the next
+//      tile's scores; a dense pattern's V is prefetched with K).
 // Each task leaves its rows' partial state (max m_c, sum l_c, unnormalised accumulator, NaN flag).
 // The task that finishes the last chunk of a (batch, kv head) folds its chunks in increasing order
 // with the online softmax rescale (the same update the forward applies between key tiles): m = max(m, m_c),
@@ -120,6 +123,7 @@ struct decode_workspace {
   aligned_buffer<float> q, q_max, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
   aligned_buffer<float> weights, acc_saved, part;  ///< key-major P V of a direct tile: [rows][W] weights, acc before it
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
+  aligned_buffer<std::uint16_t> qb;  ///< avx3_bf16 with a bf16 cache: the group's Q rows as bf16
   aligned_buffer<std::int32_t> union_keys, union_mark;  ///< the tile's keys some row kept, and their marks
   aligned_buffer<std::uint16_t> touch;  ///< where direct_accumulate's read of a whole V tile ends up
   int tile_keys[2] = {0, 0};            ///< per slot set (parity): keys of the tile before tile_end
@@ -131,7 +135,9 @@ class decode_pass : public kernel<T> {
  public:
   using base = kernel<T>;
 
-  explicit decode_pass(const attention_params& p)
+  /// @p bf16_dot: the direct path's Q K^T from a bf16 cache as bf16 dot products (the avx3_bf16
+  /// target; other instances and input types ignore it).
+  decode_pass(const attention_params& p, bool bf16_dot)
       : base(p, kDecodeKeyTile),
         rows_(static_cast<int>(group_ * p.seqlen_q)),
         rows_mk_(rows_ <= 2 ? rows_ : (rows_ + 3) / 4 * 4),
@@ -139,7 +145,8 @@ class decode_pass : public kernel<T> {
         chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)),
         cstride_(w_ + 2 * lanes_),
         dense_(p.pattern_n == p.pattern_m),
-        direct_(!HWY_HAVE_SCALABLE && d_ % lanes_ == 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1) {}
+        direct_(!HWY_HAVE_SCALABLE && d_ % lanes_ == 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1),
+        dot_(DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16> && direct_ && d_ % 32 == 0) {}
 
   void run() const {
     const std::int64_t pairs = p_.batch * p_.heads_kv;
@@ -197,6 +204,7 @@ class decode_pass : public kernel<T> {
     ws.row_tile_max.resize(rows);
     ws.row_nan.resize(rows);
     ws.q_max.resize(rows);
+    if (dot_) ws.qb.resize(rows * dp);
     // Row w of the tile's V is the zero row that masked and padding slots point at.
     std::fill(ws.vt.ptr + w * dp, ws.vt.ptr + (w + 1) * dp, 0.0f);
     std::fill(ws.used.ptr, ws.used.ptr + 2 * w, 0);
@@ -231,6 +239,10 @@ class decode_pass : public kernel<T> {
         float top = 0.0f;
         for (int c = 0; c < d_; ++c) top = std::max(top, std::abs(q[c]));
         ws.q_max.ptr[r] = top;  // for settle_near_ties (a NaN row is risky: never used)
+        if (dot_) {
+          std::uint16_t* qb = ws.qb.ptr + static_cast<std::int64_t>(r) * dp_;
+          for (int c = 0; c < dp_; ++c) qb[c] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(q[c]) >> 16);
+        }
       }
     }
     // Software pipeline over the tiles: the V rows a tile kept are prefetched when its selection is
@@ -446,6 +458,11 @@ class decode_pass : public kernel<T> {
   /// Returns whether every K value was tame, with the largest |k| in @p max_k.
   template <int NV>
   bool direct_dots(decode_workspace& ws, const T* k, std::int64_t step, int keys, float& max_k) const {
+#if DFSS_SIMD_BF16_DOT
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (dot_) return direct_dots_bf16(ws, k, step, keys, max_k);
+    }
+#endif
     constexpr int R = dot_block_rows<NV>();
     const DI di;
     VI top = hn::Zero(di);
@@ -482,6 +499,31 @@ class decode_pass : public kernel<T> {
     const VI above = hn::Set(di, 0x58800001);  // the bits of 2^50, plus one
     if (!hn::AllTrue(di, hn::Lt(top, above))) return false;
     max_k = hn::GetLane(hn::BitCast(DF(), hn::MaxOfLanes(di, top)));  // finite: the largest |k|
+    return true;
+  }
+#endif
+
+#if DFSS_SIMD_BF16_DOT
+  /// direct_dots by vdpbf16ps (bf16dot::decode_dots, blocks of 16 keys and 4 rows), the same
+  /// transposing sum of lanes and the same tame test (on the bf16 bits: 0x5880 is 2^50).
+  bool direct_dots_bf16(decode_workspace& ws, const T* k, std::int64_t step, int keys, float& max_k) const {
+    static_assert(bf16dot::kDecodeKeys == HWY_LANES(float), "one vector of partial sums per row and key");
+    const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
+    std::uint16_t top = 0;
+    float* part = ws.part.ptr;
+    for (int t0 = 0; t0 < keys; t0 += lanes_) {
+      const int n = std::min(lanes_, keys - t0);
+      for (int r0 = 0; r0 < rows_; r0 += bf16dot::kDecodeRows) {
+        const int rb = std::min(bf16dot::kDecodeRows, rows_ - r0);
+        bf16dot::decode_dots(ws.qb.ptr + static_cast<std::int64_t>(r0) * dp_, rb, dp_, d_, kb + t0 * step, step, n, part,
+                             r0 == 0, &top);
+        for (int r = 0; r < rb; ++r) {
+          sum_lanes_transposed(part + static_cast<std::int64_t>(r) * lanes_ * lanes_, ws.s.ptr + static_cast<std::int64_t>(r0 + r) * w_ + t0);
+        }
+      }
+    }
+    if (top > 0x5880) return false;
+    max_k = std::bit_cast<float>(static_cast<std::uint32_t>(top) << 16);
     return true;
   }
 #endif
@@ -534,7 +576,11 @@ class decode_pass : public kernel<T> {
     const double gamma = dd * u / (1.0 - dd * u);
     for (int r = 0; r < rows_; ++r) {
       const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
-      const double e = gamma * dd * static_cast<double>(ws.q_max.ptr[r]) * static_cast<double>(max_k) + dd * 0x1p-149;
+      double e = gamma * dd * static_cast<double>(ws.q_max.ptr[r]) * static_cast<double>(max_k) + dd * 0x1p-149;
+      // vdpbf16ps reads a denormal bf16 operand as 0 (an error below 2^-126 times the other
+      // operand per product) and flushes a denormal partial sum to 0 (below 2^-126 per step, two
+      // steps per column pair): at most d 2^-126 (max|q| + max|k| + 1) more.
+      if (dot_) e += dd * 0x1p-126 * (static_cast<double>(ws.q_max.ptr[r]) + static_cast<double>(max_k) + 1.0);
       // In fp32, 2 E enlarged by 2^-20 covers the rounding of the subtraction and of the bound.
       const float lim = static_cast<float>(2.0 * e * (1.0 + 0x1p-20));
       float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
@@ -980,10 +1026,16 @@ class decode_pass : public kernel<T> {
   /// The direct path can run: rows of K and V contiguous, d a multiple of the vector (no tails) and
   /// a target with fixed-size vectors (it keeps arrays of vectors). Else every tile takes the panel path.
   const bool direct_;
+  /// The direct path's Q K^T by vdpbf16ps (bf16dot::decode_dots): a bf16 cache on avx3_bf16, d a
+  /// multiple of 32. Q is bf16 too (the inputs share one type), so its bf16 copy is exact.
+  const bool dot_;
 };
 
-/// The decode forward has one instance per Highway target (avx3_bf16 runs the avx3 one): @p t unused.
-status decode_entry(const attention_params& p, simd_target) { return run_pass<decode_pass>(p, "dfss cpu simd decode forward"); }
+/// The decode forward has one instance per Highway target; avx3_bf16 runs the avx3 one with the
+/// bf16 dot products for a bf16 cache (decode_pass::dot_).
+status decode_entry(const attention_params& p, simd_target t) {
+  return run_pass<decode_pass>(p, "dfss cpu simd decode forward", t == simd_target::avx3_bf16);
+}
 
 #else  // the static baseline target: never dispatched to (see targets.hpp)
 

@@ -67,4 +67,18 @@ inline constexpr int kTilePairs = 64;
 void pv_tile_rows(float* const* acc, int rows, int dp, const float* const* p, const std::uint32_t* v,
                   int pairs) noexcept;
 
+/// Keys per call of decode_dots (one 16-lane vector of partial sums per row and key).
+inline constexpr int kDecodeKeys = 16;
+/// Rows per call of decode_dots at most (their Q in 16 of the 32 registers at d = 128).
+inline constexpr int kDecodeRows = 4;
+
+/// The decode kernel's direct Q K^T from a bf16 cache: for @p rows <= kDecodeRows query rows @p q
+/// (bf16, row stride @p dq) and @p n <= kDecodeKeys cache rows k + t * step (bf16, contiguous),
+/// part[(r * 16 + t) * 16 + j] = the sum over blocks of 32 columns c0 of the products of columns
+/// c0 + 2j + 1 and then c0 + 2j (one vdpbf16ps per block, from zero), zero vectors for t >= n; d a
+/// multiple of 32. The lanes of a vector sum to the score. With @p check, @p top gets the largest
+/// magnitude bits (x & 0x7fff) of the K values read.
+void decode_dots(const std::uint16_t* q, int rows, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
+                 int n, float* part, bool check, std::uint16_t* top) noexcept;
+
 }  // namespace dfss::cpu::bf16dot

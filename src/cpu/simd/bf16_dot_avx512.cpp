@@ -170,7 +170,78 @@ void pv_tile_columns(float* const* acc, const std::uint32_t (*w)[kTilePairs], co
   }
 }
 
+/// decode_dots for R rows and NB blocks of 32 columns (0: d / 32 at run time, Q read from L1).
+template <int R, int NB, bool Check>
+void decode_dots_rows(const std::uint16_t* q, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step, int n,
+                      float* part, std::uint16_t* top) noexcept {
+  const int nb = NB > 0 ? NB : d / 32;
+  constexpr int kHeld = NB > 0 ? NB : 1;
+  __m512i qv[R][kHeld];
+  if constexpr (NB > 0) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NB; ++c) qv[r][c] = _mm512_loadu_si512(q + r * dq + 32 * c);
+    }
+  }
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  __m512i t_top = _mm512_setzero_si512();
+  for (int t = 0; t < n; ++t) {
+    const std::uint16_t* row = k + t * step;
+    __m512 a[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+    for (int c = 0; c < nb; ++c) {
+      const __m512i kc = _mm512_loadu_si512(row + 32 * c);
+      if constexpr (Check) t_top = _mm512_max_epu16(t_top, _mm512_and_si512(kc, magnitude));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i qc = NB > 0 ? qv[r][NB > 0 ? c : 0] : _mm512_loadu_si512(q + r * dq + 32 * c);
+        a[r] = _mm512_dpbf16_ps(a[r], as_bh(qc), as_bh(kc));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(part + (r * 16 + t) * 16, a[r]);
+  }
+  for (int t = n; t < kDecodeKeys; ++t) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(part + (r * 16 + t) * 16, _mm512_setzero_ps());
+  }
+  if constexpr (Check) {
+    alignas(64) std::uint16_t lanes[32];
+    _mm512_store_si512(lanes, t_top);
+    for (std::uint16_t x : lanes) *top = x > *top ? x : *top;
+  }
+}
+
+template <int R, bool Check>
+void decode_dots_blocks(const std::uint16_t* q, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
+                        int n, float* part, std::uint16_t* top) noexcept {
+  switch (d / 32) {
+    case 2: return decode_dots_rows<R, 2, Check>(q, dq, d, k, step, n, part, top);
+    case 4: return decode_dots_rows<R, 4, Check>(q, dq, d, k, step, n, part, top);
+    default: return decode_dots_rows<R, 0, Check>(q, dq, d, k, step, n, part, top);
+  }
+}
+
+template <int R>
+void decode_dots_checked(const std::uint16_t* q, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
+                         int n, float* part, bool check, std::uint16_t* top) noexcept {
+  if (check) return decode_dots_blocks<R, true>(q, dq, d, k, step, n, part, top);
+  decode_dots_blocks<R, false>(q, dq, d, k, step, n, part, top);
+}
+
 }  // namespace
+
+void decode_dots(const std::uint16_t* q, int rows, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
+                 int n, float* part, bool check, std::uint16_t* top) noexcept {
+  switch (rows) {
+    case 4: return decode_dots_checked<4>(q, dq, d, k, step, n, part, check, top);
+    case 3: return decode_dots_checked<3>(q, dq, d, k, step, n, part, check, top);
+    case 2: return decode_dots_checked<2>(q, dq, d, k, step, n, part, check, top);
+    default: return decode_dots_checked<1>(q, dq, d, k, step, n, part, check, top);
+  }
+}
 
 void pack_value_pair(const float* even, const float* odd, int dp, std::uint32_t* out) noexcept {
   for (int c = 0; c < dp; ++c) out[c] = bf16_bits(odd[c]) << 16 | bf16_bits(even[c]);

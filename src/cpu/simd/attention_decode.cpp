@@ -697,15 +697,7 @@ class decode_pass : public kernel<T> {
       // keeps the stream ascending: on one Zen 5 core (bf16, d = 128, Lk = 16384, MHA) 1:2 went from
       // 14.2 to 12.1 ms and 2:4 from 15.8 to 11.3 ms (2 threads: 7.5 to 6.4 and 8.8 to 6.5), where
       // dense takes 9.7 (5.1). fp32 caches measured no gain (d = 64 and 128): they skip this.
-      const hn::Rebind<std::uint16_t, DF> du;  // d / lanes whole vectors of 16-bit values per row
-      auto any = hn::Zero(du);
-      const int keys = ws.tile_keys[parity];
-      const std::int64_t last = static_cast<std::int64_t>(d_) - static_cast<std::int64_t>(hn::Lanes(du));
-      for (int t = 0; t < keys; ++t) {
-        const auto* row = reinterpret_cast<const std::uint16_t*>(v + row0 + t * step);
-        for (std::int64_t x = 0; x < d_; x += kCacheLine / 2) any = hn::Or(any, hn::LoadU(du, row + std::min(x, last)));
-      }
-      hn::StoreU(any, du, reinterpret_cast<std::uint16_t*>(ws.touch.ptr));
+      touch_rows(ws, v + row0, step, ws.tile_keys[parity], [](int t) { return t; });
     }
     for (int r = 0; r < rows_; ++r) {
       const int n = ws.kept.ptr[parity * rows_mk_ + r];
@@ -775,7 +767,7 @@ class decode_pass : public kernel<T> {
       // from L1. Slices straight from memory (one 64-byte line of each 512-byte row at a time on
       // AVX2, four on AVX-512) lost the hardware prefetcher's stream: GQA 32:8, fp32, one Zen 4
       // thread, AVX2 15.4 -> 9.2 ms, AVX-512 12.3-15.1 -> 9.8-12.8 ms (a noisy hour).
-      touch_rows(ws, v, step, ukeys + k0, n);
+      touch_rows(ws, v, step, n, [ukeys, k0](int k) { return ukeys[k0 + k]; });
       for (int r0 = 0; r0 < rows_;) {
         const int rr = rows_ - r0 >= 4 ? 4 : (rows_ - r0 >= 2 ? 2 : 1);
         const int cmax = std::min(8, kKeyMajorAccumulators / rr);
@@ -804,16 +796,17 @@ class decode_pass : public kernel<T> {
     return false;
   }
 
-  /// One load per cache line of the @p n V rows base + keys[k] * step, in address order (OR-ed into
-  /// a value nobody uses), so that column slices of those rows then come from L1.
-  void touch_rows(decode_workspace& ws, const T* base, std::int64_t step, const std::int32_t* keys, int n) const {
+  /// One load per cache line of the @p n V rows base + key(k) * step, k = 0, 1, ... (OR-ed into a
+  /// value nobody uses), so that the rows are then read from L1.
+  template <typename Key>
+  void touch_rows(decode_workspace& ws, const T* base, std::int64_t step, int n, const Key& key) const {
     const hn::Rebind<std::uint16_t, DF> du;
     auto any = hn::Zero(du);
     constexpr std::int64_t kPerLine = kCacheLine / static_cast<std::int64_t>(sizeof(std::uint16_t));
     const std::int64_t units = static_cast<std::int64_t>(d_) * static_cast<std::int64_t>(sizeof(T) / 2);
     const std::int64_t last = units - static_cast<std::int64_t>(hn::Lanes(du));
     for (int k = 0; k < n; ++k) {
-      const auto* row = reinterpret_cast<const std::uint16_t*>(base + keys[k] * step);
+      const auto* row = reinterpret_cast<const std::uint16_t*>(base + key(k) * step);
       for (std::int64_t x = 0; x < units; x += kPerLine) any = hn::Or(any, hn::LoadU(du, row + std::min(x, last)));
     }
     hn::StoreU(any, du, reinterpret_cast<std::uint16_t*>(ws.touch.ptr));

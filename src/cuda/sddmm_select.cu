@@ -110,8 +110,10 @@ __device__ __forceinline__ void sddmm_unit(const pipeline_args& a, std::uint32_t
   }
   *meta = warp::meta_quad_exchange<warp::device_warp>(sel.meta_bits[0][0], sel.meta_bits[0][1],
                                                       sel.meta_bits[1][0], sel.meta_bits[1][1]);
-  const int t = lane & 3;
-  *tile_max = t == 0 ? m[0][0] : (t == 1 ? m[0][1] : (t == 2 ? m[1][0] : m[1][1]));
+  const bool t_odd = (lane & 1) != 0;
+  const float m0 = t_odd ? m[0][1] : m[0][0];
+  const float m1 = t_odd ? m[1][1] : m[1][0];
+  *tile_max = (lane & 2) != 0 ? m1 : m0;
 }
 
 template <typename T, int D, warp::sp_pattern P>
@@ -133,8 +135,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<D>) sddmm_select_kerne
   // first `full` keys are seen whole by every row of the CTA (its first row's end).
   const i64 last_row = row0 + kTileRows - 1 < a.seqlen_q ? row0 + kTileRows - 1 : a.seqlen_q - 1;
   const i64 key_end = mask::visible_end(a.causal, a.seqlen_q, a.seqlen_k, kv_len, last_row);
-  const i64 steps = (key_end + kStepKeys - 1) / kStepKeys;
-  const i64 full_steps = mask::visible_end(a.causal, a.seqlen_q, a.seqlen_k, kv_len, row0) / kStepKeys;
+  // Steps and keys fit 32 bits (Lk < 2^31: attention_cuda.cu), so the loop's bookkeeping is 32-bit.
+  const int steps = static_cast<int>((key_end + kStepKeys - 1) / kStepKeys);
+  const int full_steps = static_cast<int>(mask::visible_end(a.causal, a.seqlen_q, a.seqlen_k, kv_len, row0) / kStepKeys);
 
   // The warp's rows: Q fragments straight from global memory (rows past Lq are zero), visible ends.
   const i64 wrow0 = row0 + 32 * warp_id;
@@ -169,27 +172,27 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<D>) sddmm_select_kerne
   constexpr int kCopies = kStepKeys / kPassRows;
   static_assert(kThreads % kChunks == 0 && kStepKeys % kPassRows == 0, "the step divides evenly over the threads");
   constexpr std::uint32_t kStageBytes = sizeof(ks[0]);
-  static_assert(kPassRows % 8 == 0, "chunk rows r0 + kPassRows it: the permuted row is a sum (sddmm16_smem_row)");
+  static_assert(kPassRows >= 8 && (kPassRows & (kPassRows - 1)) == 0,
+                "chunk rows r0 + kPassRows it with r0 < kPassRows have disjoint bits: the permuted row is a sum");
   const int r0 = tid / kChunks;
   const int col = (tid % kChunks) * 8;
-  // Chunk it's row: sddmm16_smem_row(r0 % 8) + sddmm16_smem_row(r0 - r0 % 8 + kPassRows it), the
-  // second a constant once `it` is unrolled, so one register holds every chunk's address.
-  const std::uint32_t dst0 = ptx::smem_addr(&ks[0][warp::sddmm16_smem_row(r0 % 8)][col]);
-  const auto dst_off = [&](int it) {
-    return static_cast<std::uint32_t>(warp::sddmm16_smem_row(r0 - r0 % 8 + kPassRows * it) * (D + kPad) * sizeof(T));
+  // Chunk it's row: a base per thread plus a constant once `it` is unrolled (sddmm16_copy_row_*), so
+  // one register holds every chunk's address and each chunk adds an immediate.
+  const std::uint32_t dst0 = ptx::smem_addr(&ks[0][warp::sddmm16_copy_row_base(r0)][col]);
+  const auto dst_off = [](int it) {
+    return static_cast<std::uint32_t>(warp::sddmm16_copy_row_offset(kPassRows, it) * (D + kPad) * sizeof(T));
   };
   const T* k = static_cast<const T*>(a.k) + b * a.k_stride[0] + hkv * a.k_stride[2];
   // The next step's global address and how many of this thread's chunk rows exist from there.
   std::uint64_t src = reinterpret_cast<std::uint64_t>(k) + static_cast<std::uint64_t>(r0 * a.k_stride[1] + col) * sizeof(T);
-  i64 left = a.seqlen_k - r0;
+  int left = static_cast<int>(a.seqlen_k) - r0;
   const std::uint64_t step_bytes = static_cast<std::uint64_t>(kStepKeys * a.k_stride[1]) * sizeof(T);
   const std::uint64_t pass_bytes = static_cast<std::uint64_t>(kPassRows * a.k_stride[1]) * sizeof(T);
-  auto load_next = [&](int stage) {
-    const int rows = left < kStepKeys ? static_cast<int>(left) : kStepKeys;  // 32-bit compares below
+  auto load_next = [&](std::uint32_t stage_off) {
+    const int rows = left < kStepKeys ? left : kStepKeys;
     DFSS_UNROLL
     for (int it = 0; it < kCopies; ++it) {
-      ptx::cp_async_16(dst0 + dst_off(it) + static_cast<std::uint32_t>(stage) * kStageBytes, src + it * pass_bytes,
-                       kPassRows * it < rows);
+      ptx::cp_async_16(dst0 + stage_off + dst_off(it), src + it * pass_bytes, kPassRows * it < rows);
     }
     src += step_bytes;
     left -= kStepKeys;
@@ -214,31 +217,33 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<D>) sddmm_select_kerne
   constexpr i64 kValueStride = 2 * 32 * 8;  // elements per unit (fold_value_offset)
   const i64 meta_stride = a.layout.rows_padded;
 
-  if (steps > 0) load_next(0);
+  // Byte offset of step s's stage (s & 1), toggled once per step.
+  std::uint32_t stage_off = 0;
+  if (steps > 0) load_next(stage_off);
   ptx::cp_async_commit();
-  auto run = [&](auto masked, i64 s_begin, i64 s_end) {
-    for (i64 s = s_begin; s < s_end; ++s) {
-      const int stage = static_cast<int>(s & 1);
-      if (s + 1 < steps) load_next(stage ^ 1);
+  auto run = [&](auto masked, int s_begin, int s_end) {
+    for (int s = s_begin; s < s_end; ++s) {
+      if (s + 1 < steps) load_next(stage_off ^ kStageBytes);
       ptx::cp_async_commit();
       ptx::cp_async_wait<1>();
       __syncthreads();
       // Both units of a step in one body: ptxas interleaves their epilogues and keeps the lane's
       // offsets in registers (d = 64: 391 -> 332 SASS per tile for 2:4, 310 -> 252 for 1:2 at about
-      // 160 registers; d = 128: about 250 registers, still the 2 CTAs per SM of the rolled loop).
+      // 160 registers; d = 128: about 210 registers, still the 2 CTAs per SM of the rolled loop;
+      // rolled, d = 64 2:4 measured 411 per tile against 310 unrolled).
       DFSS_UNROLL
       for (int u = 0; u < 2; ++u) {
-        sddmm_unit<T, D, P, decltype(masked)::value>(a, ks_smem + static_cast<std::uint32_t>(stage) * kStageBytes +
-                                                            static_cast<std::uint32_t>(u) * kUnitBytes,
+        sddmm_unit<T, D, P, decltype(masked)::value>(a, ks_smem + stage_off + static_cast<std::uint32_t>(u) * kUnitBytes,
                                                      b_off, lane, w, s * kStepKeys + 32 * u, values, meta, tile_max);
         values += kValueStride;
         meta += meta_stride;
         tile_max += 32;
       }
+      stage_off ^= kStageBytes;
       __syncthreads();
     }
   };
-  const i64 split = full_steps < steps ? full_steps : steps;
+  const int split = full_steps < steps ? full_steps : steps;
   run(std::false_type{}, 0, split);
   run(std::true_type{}, split, steps);
   ptx::cp_async_wait<0>();

@@ -90,15 +90,16 @@ TEST(CudaLdmatrix, SddmmKLoadsPermutedBFragments) {
   }
 }
 
-// The SDDMM's copy puts chunk row r0 + kPassRows it (r0 < kPassRows, kPassRows 8 or 16) at
-// sddmm16_smem_row(r0 % 8) plus a per-chunk constant: that must be the row sddmm16_smem_row(r), which
-// holds key r % 32 of unit r / 32 where the ldmatrix above expects it, for every chunk of a step.
+// The SDDMM's copy puts chunk row r0 + kPassRows it (r0 < kPassRows, kPassRows 8 or 16) at a
+// per-thread base plus a per-chunk constant (sddmm16_copy_row_base / _offset): that must be the row
+// sddmm16_smem_row(r), which holds key r % 32 of unit r / 32 where the ldmatrix above expects it,
+// for every chunk of a step.
 TEST(CudaLdmatrix, SddmmCopyRowsAreASumOfTwoParts) {
   for (int pass : {8, 16}) {
     for (int r0 = 0; r0 < pass; ++r0) {
       for (int it = 0; it < 64 / pass; ++it) {
         const int r = r0 + pass * it;
-        ASSERT_EQ(w::sddmm16_smem_row(r0 % 8) + w::sddmm16_smem_row(r0 - r0 % 8 + pass * it), w::sddmm16_smem_row(r))
+        ASSERT_EQ(w::sddmm16_copy_row_base(r0) + w::sddmm16_copy_row_offset(pass, it), w::sddmm16_smem_row(r))
             << "pass " << pass << " r0 " << r0 << " it " << it;
         ASSERT_EQ(w::sddmm16_smem_row(r), 32 * (r / 32) + w::sddmm16_smem_row_of_key(r % 32));
       }

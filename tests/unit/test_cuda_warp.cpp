@@ -715,8 +715,14 @@ TEST(CudaWarpEpilogue, FoldValueIndexInvertsTheFragmentOrder) {
 
 TEST(CudaWarpFold, FactorsReferencesAndLaneRows) {
   const float inf = std::numeric_limits<float>::infinity();
-  EXPECT_EQ(w::fold_reference(-inf), 0.0f);
+  // A unit that masks the whole row (m = -inf) has a finite reference, so its -inf scores weigh 0
+  // (exp2(-inf - ref)), not NaN (-inf - -inf); finite maxima are their own reference, NaN stays.
+  EXPECT_EQ(w::fold_reference(-inf), -std::numeric_limits<float>::max());
+  EXPECT_EQ(w::fold_weight(-inf, w::fold_reference(-inf), 0.5f), 0.0f);
+  EXPECT_EQ(w::fold_weight(-inf, w::fold_reference(-inf), 1e30f), 0.0f);
   EXPECT_EQ(w::fold_reference(3.5f), 3.5f);
+  EXPECT_EQ(w::fold_reference(-3e38f), -3e38f);
+  EXPECT_TRUE(std::isnan(w::fold_reference(std::nanf(""))));
   EXPECT_EQ(w::fold_weight(-inf, 0.0f, 0.5f), 0.0f);             // masked score: weight 0
   EXPECT_EQ(w::fold_weight(3e38f, 3e38f, 0.18f), 1.0f);          // huge finite: difference first
   EXPECT_EQ(w::fold_weight(-3e38f, 3e38f, 0.18f), 0.0f);

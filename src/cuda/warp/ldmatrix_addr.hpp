@@ -31,6 +31,12 @@ DFSS_HD int sddmm16_smem_row_of_key(int k) { return sddmm16_column_of_key(k); }
 /// of 8 the row is sddmm16_smem_row(r0) + sddmm16_smem_row(p): the copy adds a constant per chunk.
 DFSS_HD int sddmm16_smem_row(int r) { return 32 * (r / 32) + sddmm16_smem_row_of_key(r % 32); }
 
+/// @brief The SDDMM copy's shared-memory row of chunk row r0 + pass it (r0 < pass, pass a power of two
+/// >= 8, so the two terms share no bit) is copy_row_base(r0) + copy_row_offset(pass, it): one register
+/// per thread plus a compile-time constant per chunk.
+DFSS_HD int sddmm16_copy_row_base(int r0) { return sddmm16_smem_row(r0); }
+DFSS_HD int sddmm16_copy_row_offset(int pass, int it) { return sddmm16_smem_row(pass * it); }
+
 /// @brief ldmatrix.x4 of the SDDMM's K tile (rows in accumulator-column order, see
 /// sddmm16_smem_row_of_key) for n8 tiles 2 jp and 2 jp + 1 of a 16-bit unit: matrix m = lane / 8 is
 /// n8 tile 2 jp + m / 2, k half m % 2; its row lane % 8 is accumulator column 8 (2 jp + m / 2) +

@@ -66,9 +66,9 @@ DFSS_UNROLL
       for (int rh = 0; rh < 2; ++rh) {
         const T s[4] = {acc[i][2 * h][2 * rh], acc[i][2 * h][2 * rh + 1], acc[i][2 * h + 1][2 * rh],
                         acc[i][2 * h + 1][2 * rh + 1]};
-        std::uint32_t nibble;
-        select(s, out.a[i][4 * h + 2 * rh], out.a[i][4 * h + 2 * rh + 1], nibble);
-        bits |= nibble << (16 * rh);
+        std::uint32_t placed;
+        select(s, out.a[i][4 * h + 2 * rh], out.a[i][4 * h + 2 * rh + 1], placed, 16u * rh);
+        bits |= placed;
       }
       out.meta_bits[i][h] = bits << (4 * t);
     }
@@ -80,7 +80,12 @@ DFSS_UNROLL
 struct ranked_group_select {
   sp_pattern p;
   template <typename T>
-  DFSS_HD void operator()(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) const {
+  DFSS_HD void operator()(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble, unsigned shift) const {
+    select(s, lo, hi, nibble);
+    nibble <<= shift;
+  }
+  template <typename T>
+  DFSS_HD void select(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) const {
     if (p == sp_pattern::p1of2) {
       // One ranking per pair; the nibble keeps index b0 of keys 0..1 and 2 + b1 of keys 2..3
       // (nm_nibble_1of2_as_2of4 of the two masks, without the generic mask-to-nibble chain).

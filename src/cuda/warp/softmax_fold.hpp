@@ -76,7 +76,7 @@ DFSS_HD float fold_exp2(float x) {
 /// maxima propagate NaN), so the row's maximum over kept values is NaN, as the fold needs; which
 /// key the nibble names is then unspecified (the row's output is NaN whatever is kept).
 template <typename T>
-DFSS_HD void select_2of4_no_nan(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) {
+DFSS_HD void select_2of4_no_nan(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble, unsigned shift = 0) {
   const bool c01 = s[0] >= s[1];  // key 0 outranks key 1 (a tie goes to the lower index)
   const bool c23 = s[2] >= s[3];
   const T w0 = max_nan(s[0], s[1]);
@@ -87,8 +87,9 @@ DFSS_HD void select_2of4_no_nan(const T (&s)[4], T& lo, T& hi, std::uint32_t& ni
   const bool both1 = l1 > w0;   // keys 2 and 3 kept: l1 (higher index) outranks w0 (false if w0 is NaN)
   lo = both0 ? s[0] : (both1 ? s[2] : w0);
   hi = both0 ? s[1] : (both1 ? s[3] : w1);
-  const std::uint32_t winners = (c01 ? 0u : 1u) | (c23 ? 8u : 12u);  // index a | (2 + b) << 2
-  nibble = both0 ? 0x4u : (both1 ? 0xEu : winners);
+  // index a | (2 + b) << 2, every arm a constant (shifted at compile time when @p shift is one)
+  const std::uint32_t winners = c23 ? (c01 ? 8u << shift : 9u << shift) : (c01 ? 12u << shift : 13u << shift);
+  nibble = both0 ? 0x4u << shift : (both1 ? 0xEu << shift : winners);
 }
 
 /// The SDDMM's group selection of pattern p for inputs without NaN (with NaN: legal metadata, a
@@ -97,15 +98,15 @@ DFSS_HD void select_2of4_no_nan(const T (&s)[4], T& lo, T& hi, std::uint32_t& ni
 struct no_nan_group_select {
   sp_pattern p;
   template <typename T>
-  DFSS_HD void operator()(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) const {
+  DFSS_HD void operator()(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble, unsigned shift = 0) const {
     if (p == sp_pattern::p1of2) {
       const bool b0 = s[1] > s[0];
       const bool b1 = s[3] > s[2];
       lo = max_nan(s[0], s[1]);
       hi = max_nan(s[2], s[3]);
-      nibble = (b0 ? 1u : 0u) | (b1 ? 12u : 8u);
+      nibble = b1 ? (b0 ? 13u << shift : 12u << shift) : (b0 ? 9u << shift : 8u << shift);
     } else {
-      select_2of4_no_nan(s, lo, hi, nibble);
+      select_2of4_no_nan(s, lo, hi, nibble, shift);
     }
   }
 };
@@ -132,9 +133,10 @@ DFSS_UNROLL
   }
 }
 
-/// The reference each stored value is taken against: the row's unit maximum, or 0 when the unit
-/// masks the whole row (m = -inf), so masked scores give exp2(-inf) = 0 rather than NaN.
-DFSS_HD float fold_reference(float m) { return m == neg_inf_f32() ? 0.0f : m; }
+/// The reference each stored value is taken against: the row's unit maximum, or -FLT_MAX when the
+/// unit masks the whole row (m = -inf), so masked scores give exp2(-inf - -FLT_MAX) = 0 rather than
+/// NaN; NaN stays NaN. One max.NaN instead of a compare and a select.
+DFSS_HD float fold_reference(float m) { return max_nan(m, -3.40282347e38f); }
 
 /// @brief A stored weight: exp2((s - ref) * scale_log2). The difference is taken in fp32 before
 /// scaling, so huge finite scores stay exact where s * scale_log2 would overflow.

@@ -52,11 +52,14 @@ struct warp_rows {
 };
 
 // @p unit_smem: shared-memory address of the unit's first K row; @p b_off[jp]: the lane's ldmatrix
-// offset (bytes) for n8 tiles 2 jp, 2 jp + 1 at head-dim column 0 (ldsm_sddmm16_b_x4).
+// offset (bytes) for n8 tiles 2 jp, 2 jp + 1 at head-dim column 0 (ldsm_sddmm16_b_x4). The unit's
+// scores, masked (boundary steps) and pruned: the lane's kept values, and its metadata word
+// assembled at once (so no comparison result stays live until the stores).
 template <typename T, int D, warp::sp_pattern P, bool Masked>
-__device__ __forceinline__ void sddmm_unit(const pipeline_args& a, std::uint32_t unit_smem,
-                                           const std::uint32_t (&b_off)[2], int lane, warp_rows& w, i64 ukey0,
-                                           T* values, std::uint32_t* meta, float* tile_max) {
+__device__ __forceinline__ warp::unit16_selection<float> sddmm_unit_select(std::uint32_t unit_smem,
+                                                                           const std::uint32_t (&b_off)[2], int lane,
+                                                                           const warp_rows& w, int ukey0,
+                                                                           std::uint32_t& meta_word) {
   float acc[2][4][4] = {};
   DFSS_UNROLL
   for (int kk = 0; kk < D; kk += 16) {
@@ -76,26 +79,20 @@ __device__ __forceinline__ void sddmm_unit(const pipeline_args& a, std::uint32_t
     DFSS_UNROLL
     for (int i = 0; i < 2; ++i) {
       DFSS_UNROLL
-      for (int rh = 0; rh < 2; ++rh) end[i][rh] = warp::unit_relative_end(w.end[i][rh], static_cast<int>(ukey0));
+      for (int rh = 0; rh < 2; ++rh) end[i][rh] = warp::unit_relative_end(w.end[i][rh], ukey0);
     }
     warp::mask_unit16_relative(acc, lane, end);
   }
   const warp::unit16_selection<float> sel = warp::select_unit16_no_nan(acc, lane, P);
-  // Row maxima from the kept values, over the quad (NaN-propagating), then the references the
-  // weights are taken against.
-  float m[2][2];
-  warp::unit16_lane_row_max(sel, m);
-  float ref[2][2];
-  DFSS_UNROLL
-  for (int i = 0; i < 2; ++i) {
-    DFSS_UNROLL
-    for (int rh = 0; rh < 2; ++rh) {
-      m[i][rh] = warp::max_nan(m[i][rh], __shfl_xor_sync(0xffffffffu, m[i][rh], 1));
-      m[i][rh] = warp::max_nan(m[i][rh], __shfl_xor_sync(0xffffffffu, m[i][rh], 2));
-      w.run_max[i][rh] = warp::max_nan(w.run_max[i][rh], m[i][rh]);
-      ref[i][rh] = warp::fold_reference(m[i][rh]);
-    }
-  }
+  meta_word = warp::meta_quad_exchange<warp::device_warp>(sel.meta_bits[0][0], sel.meta_bits[0][1],
+                                                          sel.meta_bits[1][0], sel.meta_bits[1][1]);
+  return sel;
+}
+
+// A unit's stored weights exp2((s - ref) scale log2 e), in fragment order.
+template <typename T>
+__device__ __forceinline__ void sddmm_unit_store(const warp::unit16_selection<float>& sel, const float (&ref)[2][2],
+                                                 float scale_log2, T* values) {
   // Element e = 4 h + 2 rh + slot of the fragment is row half rh: registers 0, 2 row g, 1, 3 row g + 8.
   DFSS_UNROLL
   for (int i = 0; i < 2; ++i) {
@@ -103,17 +100,11 @@ __device__ __forceinline__ void sddmm_unit(const pipeline_args& a, std::uint32_t
     DFSS_UNROLL
     for (int q = 0; q < 4; ++q) {
       const float x = ref[i][q & 1];
-      r[q] = ptx::elem<T>::pack(warp::fold_weight(sel.a[i][2 * q], x, a.scale_log2),
-                                warp::fold_weight(sel.a[i][2 * q + 1], x, a.scale_log2));
+      r[q] = ptx::elem<T>::pack(warp::fold_weight(sel.a[i][2 * q], x, scale_log2),
+                                warp::fold_weight(sel.a[i][2 * q + 1], x, scale_log2));
     }
     *reinterpret_cast<uint4*>(values + i * 32 * 8) = make_uint4(r[0], r[1], r[2], r[3]);
   }
-  *meta = warp::meta_quad_exchange<warp::device_warp>(sel.meta_bits[0][0], sel.meta_bits[0][1],
-                                                      sel.meta_bits[1][0], sel.meta_bits[1][1]);
-  const bool t_odd = (lane & 1) != 0;
-  const float m0 = t_odd ? m[0][1] : m[0][0];
-  const float m1 = t_odd ? m[1][1] : m[1][0];
-  *tile_max = (lane & 2) != 0 ? m1 : m0;
 }
 
 template <typename T, int D, warp::sp_pattern P>
@@ -231,14 +222,40 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<D>) sddmm_select_kerne
       // offsets in registers (d = 64: 391 -> 332 SASS per tile for 2:4, 310 -> 252 for 1:2 at about
       // 160 registers; d = 128: about 210 registers, still the 2 CTAs per SM of the rolled loop;
       // rolled, d = 64 2:4 measured 411 per tile against 310 unrolled).
+      warp::unit16_selection<float> sel[2];
       DFSS_UNROLL
       for (int u = 0; u < 2; ++u) {
-        sddmm_unit<T, D, P, decltype(masked)::value>(a, ks_smem + stage_off + static_cast<std::uint32_t>(u) * kUnitBytes,
-                                                     b_off, lane, w, s * kStepKeys + 32 * u, values, meta, tile_max);
-        values += kValueStride;
-        meta += meta_stride;
-        tile_max += 32;
+        std::uint32_t word;
+        sel[u] = sddmm_unit_select<T, D, P, decltype(masked)::value>(
+            ks_smem + stage_off + static_cast<std::uint32_t>(u) * kUnitBytes, b_off, lane, w, s * kStepKeys + 32 * u,
+            word);
+        meta[u * meta_stride] = word;
       }
+      // The step's row maxima m_s from the kept values of both units, over the quad (NaN-propagating),
+      // then the references the weights are taken against: one reduction per 64 keys.
+      float m[2][2];
+      warp::step_lane_row_max(sel[0], sel[1], m);
+      float ref[2][2];
+      DFSS_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        DFSS_UNROLL
+        for (int rh = 0; rh < 2; ++rh) {
+          m[i][rh] = warp::max_nan(m[i][rh], __shfl_xor_sync(0xffffffffu, m[i][rh], 1));
+          m[i][rh] = warp::max_nan(m[i][rh], __shfl_xor_sync(0xffffffffu, m[i][rh], 2));
+          w.run_max[i][rh] = warp::max_nan(w.run_max[i][rh], m[i][rh]);
+          ref[i][rh] = warp::fold_reference(m[i][rh]);
+        }
+      }
+      DFSS_UNROLL
+      for (int u = 0; u < 2; ++u) sddmm_unit_store<T>(sel[u], ref, a.scale_log2, values + u * kValueStride);
+      // Lane 4 g + 2 i + rh stores the maximum of row 16 i + 8 rh + g (fold_lane_row).
+      const bool t_odd = (lane & 1) != 0;
+      const float m0 = t_odd ? m[0][1] : m[0][0];
+      const float m1 = t_odd ? m[1][1] : m[1][0];
+      *tile_max = (lane & 2) != 0 ? m1 : m0;
+      values += 2 * kValueStride;
+      meta += 2 * meta_stride;
+      tile_max += 32;
       stage_off ^= kStageBytes;
       __syncthreads();
     }

@@ -1,7 +1,7 @@
 // SpMM O = P V with sparse P on the sparse tensor cores (mma.sp::ordered_metadata m16n8k32, 16-bit
 // inputs, f32 accumulators) and the second half of the softmax (src/cuda/warp/softmax_fold.hpp):
-// each unit's stored weights are scaled by the row's factor exp2((m_t - M) * scale log2 e) as they
-// are loaded (one packed multiply per fragment register), one more mma.sp per m16 tile multiplies
+// each step's stored weights are scaled by the row's factor exp2((m_t - M) * scale log2 e) as they
+// are loaded (one packed multiply per fragment register, one factor per row and 64-key step), one more mma.sp per m16 tile multiplies
 // them by a column of ones, which gives each row's sum L of exactly the weights used, and the
 // epilogue writes O = acc / L and LSE = ln 2 (M scale log2 e + log2 L).
 //
@@ -43,12 +43,10 @@ struct spmm_tile {
   static_assert(D == 64 || D == 128, "SpMM tiles exist for D = 64 and 128");
 };
 
-// One unit's P operands of a lane: its fragments of the two m16 tiles, metadata register, and the
-// tile maximum of its row (fold_lane_row).
+// One unit's P operands of a lane: its fragments of the two m16 tiles and metadata register.
 struct unit_operands {
   uint4 frag[2];
   std::uint32_t meta;
-  float tile_max;
 };
 
 template <typename T>
@@ -107,8 +105,9 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(pipeline_args a) {
     o.frag[0] = __ldg(reinterpret_cast<const uint4*>(f));
     o.frag[1] = __ldg(reinterpret_cast<const uint4*>(f + 32 * 8));
     o.meta = __ldg(meta + unit * a.layout.rows_padded);
-    o.tile_max = __ldg(tile_max + unit * 32);
   };
+  // The tile maximum of the lane's row (fold_lane_row) for a step.
+  auto load_m = [&](i64 step) { return __ldg(tile_max + step * 32); };
 
   // The ones column: a B operand of 1.0 in every element sums each row's weights in the MMA.
   const std::uint32_t one2 = ptx::elem<T>::pack(1.0f, 1.0f);
@@ -116,10 +115,12 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(pipeline_args a) {
   float acc[2][8][4] = {};
   float sum[2][4] = {};
   unit_operands cur[2], next[2];
+  float cur_m = 0.0f, next_m = 0.0f;
   if (steps > 0) {
     load_v(0, 0);
     load_p(0, cur[0]);
     load_p(1, cur[1]);
+    cur_m = load_m(0);
   }
   ptx::cp_async_commit();
   for (i64 step = 0; step < steps; ++step) {
@@ -128,17 +129,24 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(pipeline_args a) {
       load_v(stage ^ 1, step + 1);
       load_p(2 * step + 2, next[0]);
       load_p(2 * step + 3, next[1]);
+      next_m = load_m(step + 1);
     }
     ptx::cp_async_commit();
+    // The lane's factor is for row fold_lane_row(lane); lane 4 g + 2 i + rh of the quad has row
+    // 16 i + 8 rh + g, so each lane gathers its 4 rows' factors from its quad, once per step.
+    const std::uint32_t f_own = ptx::elem<T>::pack_same(warp::fold_factor(cur_m, row_max, a.scale_log2));
+    std::uint32_t f[2][2];
+    DFSS_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      f[i][0] = __shfl_sync(0xffffffffu, f_own, (lane & ~3) | (2 * i));
+      f[i][1] = __shfl_sync(0xffffffffu, f_own, (lane & ~3) | (2 * i + 1));
+    }
     DFSS_UNROLL
     for (int u = 0; u < 2; ++u) {
-      // The lane's factor is for row fold_lane_row(lane); lane 4 g + 2 i + rh of the quad has row
-      // 16 i + 8 rh + g, so each lane gathers its 4 rows' factors from its quad.
-      const std::uint32_t f_own = ptx::elem<T>::pack_same(warp::fold_factor(cur[u].tile_max, row_max, a.scale_log2));
       DFSS_UNROLL
       for (int i = 0; i < 2; ++i) {
-        const std::uint32_t f0 = __shfl_sync(0xffffffffu, f_own, (lane & ~3) | (2 * i));
-        const std::uint32_t f1 = __shfl_sync(0xffffffffu, f_own, (lane & ~3) | (2 * i + 1));
+        const std::uint32_t f0 = f[i][0];
+        const std::uint32_t f1 = f[i][1];
         uint4& x = cur[u].frag[i];
         x.x = mul2<T>(x.x, f0);  // registers 0, 2: row g; 1, 3: row g + 8
         x.y = mul2<T>(x.y, f1);
@@ -166,6 +174,7 @@ __global__ void __launch_bounds__(kThreads) spmm_kernel(pipeline_args a) {
     __syncthreads();
     cur[0] = next[0];
     cur[1] = next[1];
+    cur_m = next_m;
   }
   ptx::cp_async_wait<0>();
 

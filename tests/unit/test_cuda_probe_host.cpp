@@ -219,28 +219,35 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng,
     const std::int64_t written = rb * 32 < c.Lq ? pr::sddmm_written_keys(c, rb * 32) : 0;
     float run_max[32][2][2];
     for (auto& l : run_max) for (auto& i : l) for (float& x : i) x = -std::numeric_limits<float>::infinity();
-    for (std::int64_t kb = 0; kb < written / 32; ++kb) {
-      float acc[32][2][4][4];
-      float m[32][2][2];
-      for (int lane = 0; lane < 32; ++lane) {
-        int end[2][2];
-        for (int i = 0; i < 2; ++i) {
-          for (int j = 0; j < 4; ++j) {
-            for (int r = 0; r < 4; ++r) {
-              const w::frag_coord fc = w::sddmm16_acc_coord(lane, i, j, r);
-              acc[lane][i][j][r] = raw[static_cast<std::size_t>((32 * rb + fc.row) * lay.keys_padded + 32 * kb + fc.col)];
+    // The SDDMM's steps of 64 keys, two units each: both units' selections, one maximum per row and
+    // step (w::step_lane_row_max, then over the quad), the weights of both units against it.
+    for (std::int64_t st = 0; st < written / 64; ++st) {
+      static float acc[2][32][2][4][4];
+      w::unit16_selection<float> sel[2][32];
+      for (int u = 0; u < 2; ++u) {
+        const std::int64_t kb = 2 * st + u;
+        for (int lane = 0; lane < 32; ++lane) {
+          int end[2][2];
+          for (int i = 0; i < 2; ++i) {
+            for (int j = 0; j < 4; ++j) {
+              for (int r = 0; r < 4; ++r) {
+                const w::frag_coord fc = w::sddmm16_acc_coord(lane, i, j, r);
+                acc[u][lane][i][j][r] =
+                    raw[static_cast<std::size_t>((32 * rb + fc.row) * lay.keys_padded + 32 * kb + fc.col)];
+              }
+            }
+            for (int rh = 0; rh < 2; ++rh) {
+              const std::int64_t row = 32 * rb + 16 * i + 8 * rh + w::group_of(lane);
+              end[i][rh] = w::unit_relative_end(
+                  static_cast<int>(dfss::mask::visible_end(c.causal, c.Lq, c.Lk, c.kv, row)), static_cast<int>(32 * kb));
             }
           }
-          for (int rh = 0; rh < 2; ++rh) {
-            const std::int64_t row = 32 * rb + 16 * i + 8 * rh + w::group_of(lane);
-            end[i][rh] = w::unit_relative_end(static_cast<int>(dfss::mask::visible_end(c.causal, c.Lq, c.Lk, c.kv, row)),
-                                              static_cast<int>(32 * kb));
-          }
+          w::mask_unit16_relative(acc[u][lane], lane, end);
+          sel[u][lane] = w::select_unit16_no_nan(acc[u][lane], lane, p);
         }
-        w::mask_unit16_relative(acc[lane], lane, end);
-        w::unit16_lane_row_max(w::select_unit16_no_nan(acc[lane], lane, p), m[lane]);
       }
-      w::host_warp::u32 bits[2][2] = {};
+      float m[32][2][2];
+      for (int lane = 0; lane < 32; ++lane) w::step_lane_row_max(sel[0][lane], sel[1][lane], m[lane]);
       for (int lane = 0; lane < 32; ++lane) {
         float mq[2][2];
         for (int i = 0; i < 2; ++i) {
@@ -250,20 +257,28 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng,
             run_max[lane][i][rh] = w::max_nan(run_max[lane][i][rh], mq[i][rh]);
           }
         }
-        const w::unit16_selection<float> sel = w::select_unit16_no_nan(acc[lane], lane, p);
-        for (int i = 0; i < 2; ++i) {
-          for (int e = 0; e < 8; ++e) {
-            const float ref = w::fold_reference(mq[i][(e >> 1) & 1]);
-            o.values[static_cast<std::size_t>(w::fold_value_offset(lay, rb, kb, i, lane) + e)] =
-                dfss::from_double<bf>(static_cast<double>(w::fold_weight(sel.a[i][e], ref, c.scale_log2)));
+        for (int u = 0; u < 2; ++u) {
+          for (int i = 0; i < 2; ++i) {
+            for (int e = 0; e < 8; ++e) {
+              const float ref = w::fold_reference(mq[i][(e >> 1) & 1]);
+              o.values[static_cast<std::size_t>(w::fold_value_offset(lay, rb, 2 * st + u, i, lane) + e)] =
+                  dfss::from_double<bf>(static_cast<double>(w::fold_weight(sel[u][lane].a[i][e], ref, c.scale_log2)));
+            }
           }
-          for (int h = 0; h < 2; ++h) bits[i][h][lane] = sel.meta_bits[i][h];
         }
         const int t = w::quad_pos_of(lane);
-        o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(lay, rb, kb, w::fold_lane_row(lane)))] = mq[t >> 1][t & 1];
+        o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(lay, rb, st, w::fold_lane_row(lane)))] = mq[t >> 1][t & 1];
       }
-      const w::host_warp::u32 mw = w::meta_quad_exchange<w::host_warp>(bits[0][0], bits[0][1], bits[1][0], bits[1][1]);
-      for (int lane = 0; lane < 32; ++lane) o.meta[static_cast<std::size_t>(lay.meta_offset(rb, kb, lane))] = mw[lane];
+      for (int u = 0; u < 2; ++u) {
+        w::host_warp::u32 bits[2][2] = {};
+        for (int lane = 0; lane < 32; ++lane) {
+          for (int i = 0; i < 2; ++i) {
+            for (int h = 0; h < 2; ++h) bits[i][h][lane] = sel[u][lane].meta_bits[i][h];
+          }
+        }
+        const w::host_warp::u32 mw = w::meta_quad_exchange<w::host_warp>(bits[0][0], bits[0][1], bits[1][0], bits[1][1]);
+        for (int lane = 0; lane < 32; ++lane) o.meta[static_cast<std::size_t>(lay.meta_offset(rb, 2 * st + u, lane))] = mw[lane];
+      }
     }
     for (int lane = 0; lane < 32; ++lane) {
       const int t = w::quad_pos_of(lane);
@@ -288,7 +303,7 @@ sim simulate(const pr::slice_case& c, std::mt19937_64& rng,
     for (std::int64_t sl = 0; sl < slots; ++sl) {
       const std::int64_t key = idx[static_cast<std::size_t>(r * slots + sl)];
       if (key >= end) continue;
-      const float m_t = o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(lay, r / 32, sl / 16, static_cast<int>(r % 32)))];
+      const float m_t = o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(lay, r / 32, sl / 32, static_cast<int>(r % 32)))];
       const float f = bf_round(w::fold_factor(m_t, big_m, c.scale_log2));
       const float pw = bf_round(static_cast<float>(dfss::to_double(o.values[static_cast<std::size_t>(w::fold_value_index(lay, r, sl))])) * f);
       l += pw;
@@ -350,8 +365,10 @@ TEST(CudaProbeHost, KernelChecksCatchSmallErrors) {
   o.meta[0] ^= 0xCu;
   EXPECT_GE(sddmm_bad(), 1);
   o.meta[0] ^= 0xCu;
-  // A tile maximum and a row maximum one f32 ulp off.
-  float& tm = o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(c.lay, 0, 1, 7))];
+  // A tile maximum and a row maximum one f32 ulp off (row 40 = row block 1, row 8; its step 1 holds
+  // visible keys 64..72, so the maximum is finite).
+  float& tm = o.tile_max[static_cast<std::size_t>(w::fold_tile_max_offset(c.lay, 1, 1, 8))];
+  ASSERT_TRUE(std::isfinite(tm));
   tm = std::nextafter(tm, 1e9f);
   EXPECT_EQ(sddmm_bad(), 1);
   tm = std::nextafter(tm, -1e9f);

@@ -685,7 +685,7 @@ TEST(CudaWarpEpilogue, LayoutSizesAndOffsetsAre64Bit) {
   EXPECT_GT(lay.value_elems(), std::int64_t{1} << 31);
   EXPECT_EQ(w::fold_value_offset(lay, lay.rows_padded / 32 - 1, lay.keys_padded / 32 - 1, 1, 31) + 7, lay.value_elems() - 1);
   EXPECT_EQ(w::fold_value_index(lay, lay.rows_padded - 1, lay.keys_padded / 2 - 1), lay.value_elems() - 1);
-  EXPECT_EQ(w::fold_tile_max_offset(lay, lay.rows_padded / 32 - 1, lay.keys_padded / 32 - 1, 31),
+  EXPECT_EQ(w::fold_tile_max_offset(lay, lay.rows_padded / 32 - 1, lay.keys_padded / w::kFoldStepKeys - 1, 31),
             w::fold_tile_max_elems(lay) - 1);
   EXPECT_EQ(lay.meta_offset(lay.rows_padded / 32 - 1, lay.keys_padded / 32 - 1, 31), lay.meta_words() - 1);
 }

@@ -4,14 +4,17 @@
 // (tests/unit/test_cuda_fold.cpp), so the maths CI checks is the maths the GPU runs.
 //
 // The fold (docs/design.md, "The CUDA pipeline"):
-//   SDDMM, per 32 x 32 unit and row r: m_t = max of the row's visible fp32 scores in the unit (a
-//     max that propagates NaN; -inf when the unit masks the whole row), the kept scores s stored as
-//     exp2((s - m_t) * scale log2 e) in T (in [0, 1], so f16 cannot overflow), and m_t itself;
-//     the row's running max M over all its units is stored once at the end.
-//   SpMM, per unit and row: the stored values times f_t = exp2((m_t - M) * scale log2 e) (0 when
+//   SDDMM, per 64-key step (two 32 x 32 units, the key tile of both kernels) and row r: m_t = max of
+//     the row's visible fp32 scores in the step (a max that propagates NaN; -inf when the step masks
+//     the whole row), the kept scores s stored as exp2((s - m_t) * scale log2 e) in T (in [0, 1], so
+//     f16 cannot overflow), and m_t itself; the row's running max M over all its steps is stored once
+//     at the end. One maximum per 64 keys rather than per unit halves the quad reductions and the
+//     SpMM's factors; it costs no precision: a weight w = exp2((s - m_t) c) >= exp2((s - M) c), the
+//     final value, so where w is subnormal in f16 the result is too.
+//   SpMM, per step and row: the stored values times f_t = exp2((m_t - M) * scale log2 e) (0 when
 //     m_t = -inf), multiplied by V on the sparse tensor cores, and by a column of ones in the same
 //     MMA, which gives the row sum L of exactly the weights used; O = acc / L, LSE = ln 2 (M scale
-//     log2 e + log2 L). Two exponentials per kept score at most (one here, one per row and unit).
+//     log2 e + log2 L). Two exponentials per kept score at most (one here, one per row and step).
 //   Special rows: a NaN visible score makes m_t and M NaN, hence every weight, O and LSE NaN; a row
 //     with no visible key has L = 0: O = 0, LSE = -inf; +inf makes exp2(inf - inf) = NaN.
 // The selection needs no NaN path: a row with a NaN has NaN output whatever was kept, and this
@@ -133,7 +136,22 @@ DFSS_UNROLL
   }
 }
 
-/// The reference each stored value is taken against: the row's unit maximum, or -FLT_MAX when the
+/// @brief Lane @p lane's part of each row maximum of a 64-key step: the NaN-propagating max of its
+/// kept values in both units @p u0 and @p u1 (unit16_lane_row_max of each). The row's maximum is the
+/// max over its quad.
+template <typename T>
+DFSS_HD void step_lane_row_max(const unit16_selection<T>& u0, const unit16_selection<T>& u1, T (&m)[2][2]) {
+  T m0[2][2], m1[2][2];
+  unit16_lane_row_max(u0, m0);
+  unit16_lane_row_max(u1, m1);
+DFSS_UNROLL
+  for (int i = 0; i < 2; ++i) {
+DFSS_UNROLL
+    for (int rh = 0; rh < 2; ++rh) m[i][rh] = max_nan(m0[i][rh], m1[i][rh]);
+  }
+}
+
+/// The reference each stored value is taken against: the row's step maximum, or -FLT_MAX when the
 /// unit masks the whole row (m = -inf), so masked scores give exp2(-inf - -FLT_MAX) = 0 rather than
 /// NaN; NaN stays NaN. One max.NaN instead of a compare and a select.
 DFSS_HD float fold_reference(float m) { return max_nan(m, -3.40282347e38f); }
@@ -142,8 +160,8 @@ DFSS_HD float fold_reference(float m) { return max_nan(m, -3.40282347e38f); }
 /// scaling, so huge finite scores stay exact where s * scale_log2 would overflow.
 DFSS_HD float fold_weight(float s, float ref, float scale_log2) { return fold_exp2((s - ref) * scale_log2); }
 
-/// @brief The SpMM's factor of a unit's stored weights for a row: exp2((m_t - M) * scale_log2),
-/// 0 for a unit that masks the whole row (m_t = -inf, also when M = -inf).
+/// @brief The SpMM's factor of a step's stored weights for a row: exp2((m_t - M) * scale_log2),
+/// 0 for a step that masks the whole row (m_t = -inf, also when M = -inf).
 DFSS_HD float fold_factor(float m_t, float row_max, float scale_log2) {
   return m_t == neg_inf_f32() ? 0.0f : fold_exp2((m_t - row_max) * scale_log2);
 }
@@ -162,7 +180,7 @@ DFSS_HD int fold_lane_row(int lane) {
 //             fragment of mma.sp m16n8k32 for m16 tile i (the weights, 8 per lane, register order),
 //             so the SDDMM stores and the SpMM loads one 16-byte vector per lane and tile;
 //   meta      intermediate_layout::meta_offset (one word per lane and unit);
-//   tile_max  [rows_padded / 32][keys_padded / 32][32] f32: m_t of each row of each unit;
+//   tile_max  [rows_padded / 32][keys_padded / 64][32] f32: m_t of each row of each 64-key step;
 //   row_max   [rows_padded] f32: M of each row.
 
 /// Offset (elements) of lane @p lane's fragment of m16 tile @p i in unit (@p row_block, @p key_block).
@@ -183,13 +201,19 @@ DFSS_HD std::int64_t fold_value_index(const intermediate_layout& l, std::int64_t
   return fold_value_offset(l, row / 32, ccol / 16, ru / 16, lane) + e;
 }
 
-/// Offset of m_t of row @p row (0..31) of unit (@p row_block, @p key_block).
+/// Keys per tile maximum m_t: one SDDMM step (two units), the SpMM's k step too.
+inline constexpr std::int64_t kFoldStepKeys = 64;
+static_assert(kIntermediateKeyAlign % kFoldStepKeys == 0, "every padded slice holds whole steps");
+
+/// Offset of m_t of row @p row (0..31) of rows 32 @p row_block.. and keys 64 @p key_step...
 DFSS_HD std::int64_t fold_tile_max_offset(const intermediate_layout& l, std::int64_t row_block,
-                                          std::int64_t key_block, int row) {
-  return (row_block * (l.keys_padded / 32) + key_block) * 32 + row;
+                                          std::int64_t key_step, int row) {
+  return (row_block * (l.keys_padded / kFoldStepKeys) + key_step) * 32 + row;
 }
 
 /// Floats of one slice's tile maxima.
-DFSS_HD std::int64_t fold_tile_max_elems(const intermediate_layout& l) { return l.rows_padded * (l.keys_padded / 32); }
+DFSS_HD std::int64_t fold_tile_max_elems(const intermediate_layout& l) {
+  return l.rows_padded * (l.keys_padded / kFoldStepKeys);
+}
 
 }  // namespace dfss::cuda::warp

@@ -247,7 +247,7 @@ inline float max_nan(float a, float b) { return a != a ? a : (b != b ? b : std::
 /// are the slice's exact, unmasked Q K^T (Lq x Lk, row-major; small integers, so exact in f32 and
 /// without NaN). Expected, for every unit the kernel wrote: the metadata words of nm_metadata_encode
 /// of nm_compress (the format module, not the kernel's code) at the reordered offsets and every
-/// nibble legal; each row's unit maximum m_t and overall maximum M of its visible scores, bit for
+/// nibble legal; each row's step maximum m_t (64 keys) and overall maximum M of its visible scores, bit for
 /// bit (-inf where none); each kept value exp2((s - ref) scale_log2) with ref = m_t (0 when -inf),
 /// computed in fp64 and compared within 1 ulp of HT (@p bits significand bits, smallest normal
 /// exponent @p min_exp): the kernel's ex2.approx is within 2 ulp of f32, far below half an ulp of
@@ -270,24 +270,25 @@ check_report check_sddmm(const slice_case& c, const std::vector<float>& scores, 
     const std::int64_t written = sddmm_written_keys(c, r);
     const std::string row = "row " + std::to_string(r);
     float m_all = -std::numeric_limits<float>::infinity();
-    std::vector<float> m_unit(static_cast<std::size_t>(written / 32), -std::numeric_limits<float>::infinity());
+    // One maximum per 64-key step (the SDDMM writes whole steps: written is a multiple of 64).
+    std::vector<float> m_step(static_cast<std::size_t>(written / 64), -std::numeric_limits<float>::infinity());
     for (std::int64_t j = 0; j < std::min(written, c.Lk); ++j) {
       const float x = dense[static_cast<std::size_t>(r * c.Lk + j)];
-      m_unit[static_cast<std::size_t>(j / 32)] = max_nan(m_unit[static_cast<std::size_t>(j / 32)], x);
+      m_step[static_cast<std::size_t>(j / 64)] = max_nan(m_step[static_cast<std::size_t>(j / 64)], x);
       m_all = max_nan(m_all, x);
     }
     const auto same = [](float a, float b) { return (a != a && b != b) || a == b; };
-    for (std::int64_t u = 0; u < written / 32; ++u) {
-      const float got = tile_max[cuda::warp::fold_tile_max_offset(c.lay, r / 32, u, static_cast<int>(r % 32))];
-      rep.add(same(got, m_unit[static_cast<std::size_t>(u)]) ? 0.0 : 1.0, 0.0,
-              row + " unit " + std::to_string(u) + ": tile max " + std::to_string(got) + ", want " +
-                  std::to_string(m_unit[static_cast<std::size_t>(u)]));
+    for (std::int64_t st = 0; st < written / 64; ++st) {
+      const float got = tile_max[cuda::warp::fold_tile_max_offset(c.lay, r / 32, st, static_cast<int>(r % 32))];
+      rep.add(same(got, m_step[static_cast<std::size_t>(st)]) ? 0.0 : 1.0, 0.0,
+              row + " step " + std::to_string(st) + ": tile max " + std::to_string(got) + ", want " +
+                  std::to_string(m_step[static_cast<std::size_t>(st)]));
     }
     rep.add(same(row_max[r], m_all) ? 0.0 : 1.0, 0.0,
             row + ": row max " + std::to_string(row_max[r]) + ", want " + std::to_string(m_all));
     for (std::int64_t sl = 0; sl < std::min(slots, written / 2); ++sl) {
       const float x = vals[static_cast<std::size_t>(r * slots + sl)];
-      const float m = m_unit[static_cast<std::size_t>(sl / 16)];
+      const float m = m_step[static_cast<std::size_t>(sl / 32)];  // 32 slots per 64 keys
       const double ref = std::isinf(m) && m < 0 ? 0.0 : static_cast<double>(m);
       const double want = std::exp2((static_cast<double>(x) - ref) * static_cast<double>(c.scale_log2));
       const double got = dfss::to_double(values[cuda::warp::fold_value_index(c.lay, r, sl)]);
@@ -336,7 +337,7 @@ spmm_row_expect<HT> spmm_row(const slice_case& c, const std::vector<std::int32_t
   for (std::int64_t sl = 0; sl < slots; ++sl) {
     const std::int64_t key = idx[static_cast<std::size_t>(r * slots + sl)];
     if (key >= end) continue;  // masked or padding: stored weight 0 (and V zero-filled past kv)
-    const float m_t = tile_max[cuda::warp::fold_tile_max_offset(c.lay, r / 32, sl / 16, static_cast<int>(r % 32))];
+    const float m_t = tile_max[cuda::warp::fold_tile_max_offset(c.lay, r / 32, sl / 32, static_cast<int>(r % 32))];
     const double f = std::isinf(m_t) && m_t < 0 ? 0.0 : std::exp2((static_cast<double>(m_t) - big_m) * static_cast<double>(c.scale_log2));
     const double w = dfss::to_double(values[cuda::warp::fold_value_index(c.lay, r, sl)]);
     const double p = dfss::to_double(dfss::from_double<HT>(w * dfss::to_double(dfss::from_double<HT>(f))));

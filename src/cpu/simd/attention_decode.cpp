@@ -452,10 +452,30 @@ class decode_pass : public kernel<T> {
     }
   }
 
-  /// The direct tile's scores into s[r * W + t] for NV vectors per row, key blocks of one vector's
-  /// lanes: per block every row block's partial sums (the first row block checking the K values
-  /// as they stream in from memory, the others reading them from L1), then their lanes summed.
-  /// Returns whether every K value was tame, with the largest |k| in @p max_k.
+  /// The direct tile's block loop, written once for both ways of taking the dot products: per
+  /// block of one vector's lanes of keys (t0, n of them) and per block of rows (r0, rb of them,
+  /// rb = @p block_rows(rows left)), @p dots(r0, rb, t0, n) leaves the rows' partial sums in
+  /// ws.part, whose lanes are then summed into s[r * W + t].
+  template <typename BlockRows, typename Dots>
+  void dot_blocks(decode_workspace& ws, int keys, const BlockRows& block_rows, const Dots& dots) const {
+    const float* part = ws.part.ptr;
+    for (int t0 = 0; t0 < keys; t0 += lanes_) {
+      const int n = std::min(lanes_, keys - t0);
+      for (int r0 = 0; r0 < rows_;) {
+        const int rb = block_rows(rows_ - r0);
+        dots(r0, rb, t0, n);
+        for (int r = 0; r < rb; ++r) {
+          sum_lanes_transposed(part + static_cast<std::int64_t>(r) * lanes_ * lanes_, ws.s.ptr + static_cast<std::int64_t>(r0 + r) * w_ + t0);
+        }
+        r0 += rb;
+      }
+    }
+  }
+
+  /// The direct tile's scores into s[r * W + t] for NV vectors per row (dot_blocks): per key block
+  /// every row block's partial sums, the first row block checking the K values as they stream in
+  /// from memory, the others reading them from L1. Returns whether every K value was tame, with the
+  /// largest |k| in @p max_k.
   template <int NV>
   bool direct_dots(decode_workspace& ws, const T* k, std::int64_t step, int keys, float& max_k) const {
 #if DFSS_SIMD_BF16_DOT
@@ -467,35 +487,26 @@ class decode_pass : public kernel<T> {
     const DI di;
     VI top = hn::Zero(di);
     float* part = ws.part.ptr;
-    for (int t0 = 0; t0 < keys; t0 += lanes_) {
-      const int n = std::min(lanes_, keys - t0);
+    const auto block_rows = [](int left) { return left >= R ? R : (left >= 2 ? 2 : 1); };
+    dot_blocks(ws, keys, block_rows, [&](int r0, int rb, int t0, int n) {
       const T* kb = k + t0 * step;
-      for (int r0 = 0; r0 < rows_;) {
-        const int left = rows_ - r0;
-        const int rb = left >= R ? R : (left >= 2 ? 2 : 1);
-        const float* q = ws.q.ptr + static_cast<std::int64_t>(r0) * dp_;
-        // The first row block checks the K values as they stream in from memory.
-        if (r0 == 0) {
-          if (rb == R) {
-            dot_block<R, NV, true>(q, kb, step, n, part, top);
-          } else if (rb == 2) {
-            dot_block<2, NV, true>(q, kb, step, n, part, top);
-          } else {
-            dot_block<1, NV, true>(q, kb, step, n, part, top);
-          }
-        } else if (rb == R) {
-          dot_block<R, NV, false>(q, kb, step, n, part, top);
+      const float* q = ws.q.ptr + static_cast<std::int64_t>(r0) * dp_;
+      if (r0 == 0) {
+        if (rb == R) {
+          dot_block<R, NV, true>(q, kb, step, n, part, top);
         } else if (rb == 2) {
-          dot_block<2, NV, false>(q, kb, step, n, part, top);
+          dot_block<2, NV, true>(q, kb, step, n, part, top);
         } else {
-          dot_block<1, NV, false>(q, kb, step, n, part, top);
+          dot_block<1, NV, true>(q, kb, step, n, part, top);
         }
-        for (int r = 0; r < rb; ++r) {
-          sum_lanes_transposed(part + static_cast<std::int64_t>(r) * lanes_ * lanes_, ws.s.ptr + static_cast<std::int64_t>(r0 + r) * w_ + t0);
-        }
-        r0 += rb;
+      } else if (rb == R) {
+        dot_block<R, NV, false>(q, kb, step, n, part, top);
+      } else if (rb == 2) {
+        dot_block<2, NV, false>(q, kb, step, n, part, top);
+      } else {
+        dot_block<1, NV, false>(q, kb, step, n, part, top);
       }
-    }
+    });
     const VI above = hn::Set(di, 0x58800001);  // the bits of 2^50, plus one
     if (!hn::AllTrue(di, hn::Lt(top, above))) return false;
     max_k = hn::GetLane(hn::BitCast(DF(), hn::MaxOfLanes(di, top)));  // finite: the largest |k|
@@ -511,17 +522,11 @@ class decode_pass : public kernel<T> {
     const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
     std::uint16_t top = 0;
     float* part = ws.part.ptr;
-    for (int t0 = 0; t0 < keys; t0 += lanes_) {
-      const int n = std::min(lanes_, keys - t0);
-      for (int r0 = 0; r0 < rows_; r0 += bf16dot::kDecodeRows) {
-        const int rb = std::min(bf16dot::kDecodeRows, rows_ - r0);
-        bf16dot::decode_dots(ws.qb.ptr + static_cast<std::int64_t>(r0) * dp_, rb, dp_, d_, kb + t0 * step, step, n, part,
-                             r0 == 0, &top);
-        for (int r = 0; r < rb; ++r) {
-          sum_lanes_transposed(part + static_cast<std::int64_t>(r) * lanes_ * lanes_, ws.s.ptr + static_cast<std::int64_t>(r0 + r) * w_ + t0);
-        }
-      }
-    }
+    const auto block_rows = [](int left) { return std::min(bf16dot::kDecodeRows, left); };
+    dot_blocks(ws, keys, block_rows, [&](int r0, int rb, int t0, int n) {
+      bf16dot::decode_dots(ws.qb.ptr + static_cast<std::int64_t>(r0) * dp_, rb, dp_, d_, kb + t0 * step, step, n, part,
+                           r0 == 0, &top);
+    });
     if (top > 0x5880) return false;
     max_k = std::bit_cast<float>(static_cast<std::uint32_t>(top) << 16);
     return true;

@@ -355,6 +355,34 @@ inline std::vector<bool> near_tie_rows(const problem& pr, double bound) {
   return rows;
 }
 
+/// @brief Whether every output row that is not a near tie (@p ties, from near_tie_rows: O rows in
+/// [B, Lq, H] order, @p d values each) matches @p want within @p tol; near-tie rows are skipped and
+/// counted in @p skipped. The failure names the first row and column off, with both values.
+inline ::testing::AssertionResult rows_near_except_ties(const std::vector<double>& got, const std::vector<double>& want,
+                                                        const std::vector<bool>& ties, std::int64_t d, double tol,
+                                                        std::size_t* skipped = nullptr) {
+  if (got.size() != want.size() || want.size() != ties.size() * static_cast<std::size_t>(d)) {
+    return ::testing::AssertionFailure() << "sizes: got " << got.size() << ", want " << want.size() << ", "
+                                         << ties.size() << " rows of " << d;
+  }
+  std::size_t n = 0;
+  for (std::size_t r = 0; r < ties.size(); ++r) {
+    if (ties[r]) {
+      ++n;
+      continue;
+    }
+    for (std::int64_t c = 0; c < d; ++c) {
+      const std::size_t x = r * static_cast<std::size_t>(d) + static_cast<std::size_t>(c);
+      if (!(std::abs(got[x] - want[x]) <= tol)) {
+        return ::testing::AssertionFailure() << "row " << r << " column " << c << ": got " << got[x] << ", want "
+                                             << want[x] << " (tolerance " << tol << ")";
+      }
+    }
+  }
+  if (skipped != nullptr) *skipped = n;
+  return ::testing::AssertionSuccess();
+}
+
 /// Largest |a - b| / (1 + |b|) over finite pairs; a NaN or infinity mismatch (in position or sign)
 /// counts as infinity, so non-finite values are compared, never skipped; so do vectors of different
 /// sizes (a missing output must not pass as a perfect match).

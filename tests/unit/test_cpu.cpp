@@ -109,16 +109,8 @@ TEST(Cpu, FusedScalarMatchesReferenceOnRandomInputs) {
     // fp32 dot products of d terms in [-1, 1]: error below d * eps_f32 (times 4 for margin).
     const auto ties = near_tie_rows(pr, 4.0 * static_cast<double>(pr.d) * kEps32);
     std::size_t skipped = 0;
-    for (std::size_t r = 0; r < ties.size(); ++r) {
-      if (ties[r]) {
-        ++skipped;
-        continue;
-      }
-      for (std::int64_t c = 0; c < pr.d; ++c) {
-        const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
-        ASSERT_NEAR(got.o[x], want.o[x], output_tol(pr, dtype::f32)) << pr.describe() << " " << isa_name(isa) << " row " << r;
-      }
-    }
+    ASSERT_TRUE(rows_near_except_ties(got.o, want.o, ties, pr.d, output_tol(pr, dtype::f32), &skipped))
+        << pr.describe() << " " << isa_name(isa);
     EXPECT_LE(skipped, ties.size() / 50 + 1) << "too many near-tie rows to be a meaningful test";
     }
   }
@@ -350,13 +342,7 @@ TEST(Cpu, Bf16DotMatchesReferenceOnRandomInputs) {
     const auto got = run_forward(pr, bf16_options(cpu_isa::avx3_bf16, 1));
     const auto ties = near_tie_rows(pr, 4.0 * static_cast<double>(pr.d) * kEps32);
     const double lse_tol = (16.0 + static_cast<double>(pr.Lk)) * kEps32;
-    for (std::size_t r = 0; r < ties.size(); ++r) {
-      if (ties[r]) continue;
-      for (std::int64_t c = 0; c < pr.d; ++c) {
-        const std::size_t x = r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c);
-        ASSERT_NEAR(got.o[x], want.o[x], output_tol(pr, dtype::f32, true)) << pr.describe() << " row " << r;
-      }
-    }
+    ASSERT_TRUE(rows_near_except_ties(got.o, want.o, ties, pr.d, output_tol(pr, dtype::f32, true))) << pr.describe();
     // LSE rows are [B, H, Lq]; tie rows are [B, Lq, H].
     for (std::int64_t b = 0; b < pr.B; ++b)
       for (std::int64_t h = 0; h < pr.H; ++h)

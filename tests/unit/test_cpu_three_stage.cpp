@@ -338,17 +338,8 @@ TEST(CpuThreeStage, MatchesReferenceAndFusedOnRandomInputs) {
       // differently contracted arithmetic, than each other); it is skipped and counted.
       const auto ties = near_tie_rows(rounded, 4.0 * static_cast<double>(rounded.d) * kEps32);
       std::size_t skipped = 0;
-      for (std::size_t r = 0; r < ties.size(); ++r) {
-        if (ties[r]) {
-          ++skipped;
-          continue;
-        }
-        for (std::int64_t c = 0; c < rounded.d; ++c) {
-          const std::size_t x = r * static_cast<std::size_t>(rounded.d) + static_cast<std::size_t>(c);
-          ASSERT_NEAR(got.o[x], want.o[x], output_tol(rounded, dtype::f32)) << what << " row " << r;
-          ASSERT_NEAR(got.o[x], fused.o[x], 2 * output_tol(rounded, dtype::f32)) << what << " row " << r << " vs fused";
-        }
-      }
+      ASSERT_TRUE(rows_near_except_ties(got.o, want.o, ties, rounded.d, output_tol(rounded, dtype::f32), &skipped)) << what;
+      ASSERT_TRUE(rows_near_except_ties(got.o, fused.o, ties, rounded.d, 2 * output_tol(rounded, dtype::f32))) << what << " vs fused";
       const double lse_tol = (16.0 + static_cast<double>(rounded.Lk)) * kEps32;
       for (std::int64_t b = 0; b < rounded.B; ++b)
         for (std::int64_t h = 0; h < rounded.H; ++h)

@@ -49,10 +49,11 @@ struct unit16_selection {
   std::uint32_t meta_bits[2][2];
 };
 
-/// @brief The loop of a lane's 16-bit unit selection, written once: @p select(s, lo, hi, nibble) picks
-/// the kept pair of each 4-key group s (keys 16h + 4t .. 16h + 4t + 3: columns 2t, 2t+1 of n8
-/// tiles 2h and 2h+1, row half rh). The two row halves' nibbles go to constant positions (bits 0
-/// and 16), then one shift by the lane's 4 t places them in the word.
+/// @brief The loop of a lane's 16-bit unit selection, written once: @p select(s, lo, hi, nibble,
+/// shift) picks the kept pair of each 4-key group s (keys 16h + 4t .. 16h + 4t + 3: columns 2t,
+/// 2t+1 of n8 tiles 2h and 2h+1, row half rh) and gives its nibble shifted left by @p shift. The two
+/// row halves' nibbles go to constant positions (shift 0 and 16, constants at compile time), then
+/// one shift by the lane's 4 t places them in the word.
 template <typename T, typename GroupSelect>
 DFSS_HD unit16_selection<T> select_unit16_with(const T (&acc)[2][4][4], int lane, const GroupSelect& select) {
   unit16_selection<T> out{};
@@ -81,11 +82,6 @@ struct ranked_group_select {
   sp_pattern p;
   template <typename T>
   DFSS_HD void operator()(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble, unsigned shift) const {
-    select(s, lo, hi, nibble);
-    nibble <<= shift;
-  }
-  template <typename T>
-  DFSS_HD void select(const T (&s)[4], T& lo, T& hi, std::uint32_t& nibble) const {
     if (p == sp_pattern::p1of2) {
       // One ranking per pair; the nibble keeps index b0 of keys 0..1 and 2 + b1 of keys 2..3
       // (nm_nibble_1of2_as_2of4 of the two masks, without the generic mask-to-nibble chain).
@@ -98,6 +94,7 @@ struct ranked_group_select {
       nibble = nm_nibble_2of4(nm_select_2of4(s));
       kept_pair(s, nibble, lo, hi);
     }
+    nibble <<= shift;
   }
 };
 

@@ -737,34 +737,52 @@ class decode_pass : public kernel<T> {
   /// loop, which reads only each row's own keys. Returns whether the tile was done here.
   bool key_major_accumulate(decode_workspace& ws, int parity, const T* v, std::int64_t step) const {
     const int keys = ws.tile_keys[parity];
-    float* weights = ws.weights.ptr;
-    std::int32_t* mark = ws.union_mark.ptr;
-    for (int r = 0; r < rows_; ++r) {
-      float* wr = weights + static_cast<std::int64_t>(r) * w_;
-      std::fill(wr, wr + keys, 0.0f);
-      const int n = ws.kept.ptr[parity * rows_mk_ + r];
-      const float* cv = slot_val(ws, parity, r);
-      const std::int32_t* ci = slot_idx(ws, parity, r);
-      for (int k = 0; k < n; ++k) {
-        wr[ci[k]] = cv[k];
-        mark[ci[k]] = 1;
-      }
-    }
     std::int32_t* ukeys = ws.union_keys.ptr;
+    // Row r's weight of key t at weights[r * wstride + t].
+    const float* weights = ws.weights.ptr;
+    std::int64_t wstride = w_;
+    bool every_key = dense_;
+    for (int r = 0; r < rows_ && every_key; ++r) every_key = ws.kept.ptr[parity * rows_mk_ + r] == keys;
     int nu = 0;
-    for (int t = 0; t < keys; ++t) {
-      if (mark[t] == 0) continue;
-      mark[t] = 0;
-      ukeys[nu++] = t;
-    }
-    if (nu == 0) return true;
-    if (4 * nu >= 3 * keys) {
-      // Most of the tile is kept by some row (random 1:2 or 2:4 scores with 4 heads per group keep
-      // about 15 keys in 16): the whole tile is read, in address order, with weight 0 for the few
-      // keys no row kept. Skipping them broke the hardware prefetcher's stream: GQA 32:8, 1:2,
-      // fp32 cache, Lk = 16384, one Zen 4 thread, 12.1-13.0 -> 10.3-10.5 ms (dense: 10.0-10.4).
+    if (every_key) {
+      // Every row kept every key of the tile (a dense pattern, no mask inside it): the slots are
+      // the keys in order (the dense compaction's), so they are the weights as they stand. The
+      // scatter and the union below took a tenth of a GQA step's time (one Zen 4 thread, bf16
+      // cache in L3).
+      weights = slot_val(ws, parity, 0);
+      wstride = cstride_;
       for (int t = 0; t < keys; ++t) ukeys[t] = t;
       nu = keys;
+    } else {
+      float* wt = ws.weights.ptr;
+      std::int32_t* mark = ws.union_mark.ptr;
+      for (int r = 0; r < rows_; ++r) {
+        float* wr = wt + static_cast<std::int64_t>(r) * w_;
+        std::fill(wr, wr + keys, 0.0f);
+        const int n = ws.kept.ptr[parity * rows_mk_ + r];
+        const float* cv = slot_val(ws, parity, r);
+        const std::int32_t* ci = slot_idx(ws, parity, r);
+        for (int k = 0; k < n; ++k) {
+          wr[ci[k]] = cv[k];
+          mark[ci[k]] = 1;
+        }
+      }
+      int count = 0;  // a local the lambdas below never see, so that it stays in a register
+      for (int t = 0; t < keys; ++t) {
+        if (mark[t] == 0) continue;
+        mark[t] = 0;
+        ukeys[count++] = t;
+      }
+      nu = count;
+      if (nu == 0) return true;
+      if (4 * nu >= 3 * keys) {
+        // Most of the tile is kept by some row (random 1:2 or 2:4 scores with 4 heads per group keep
+        // about 15 keys in 16): the whole tile is read, in address order, with weight 0 for the few
+        // keys no row kept. Skipping them broke the hardware prefetcher's stream: GQA 32:8, 1:2,
+        // fp32 cache, Lk = 16384, one Zen 4 thread, 12.1-13.0 -> 10.3-10.5 ms (dense: 10.0-10.4).
+        for (int t = 0; t < keys; ++t) ukeys[t] = t;
+        nu = keys;
+      }
     }
     const std::int64_t acc_floats = static_cast<std::int64_t>(rows_) * dp_;
     std::copy(ws.acc.ptr, ws.acc.ptr + acc_floats, ws.acc_saved.ptr);
@@ -776,21 +794,34 @@ class decode_pass : public kernel<T> {
       // AVX2, four on AVX-512) lost the hardware prefetcher's stream: GQA 32:8, fp32, one Zen 4
       // thread, AVX2 15.4 -> 9.2 ms, AVX-512 12.3-15.1 -> 9.8-12.8 ms (a noisy hour).
       touch_rows(ws, v, step, n, [ukeys, k0](int k) { return ukeys[k0 + k]; });
+#if DFSS_SIMD_BF16_DOT
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        if (dot_) {
+          static_assert(bf16dot::kDecodePvKeys == kKeyMajorBlock, "one call per key block");
+          for (int r0 = 0; r0 < rows_; r0 += bf16dot::kDecodeRows) {
+            bf16dot::decode_pv(ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_, std::min(bf16dot::kDecodeRows, rows_ - r0),
+                               dp_, d_, weights + static_cast<std::int64_t>(r0) * wstride, wstride, ukeys + k0, n,
+                               reinterpret_cast<const std::uint16_t*>(v), step);
+          }
+          continue;
+        }
+      }
+#endif
       for (int r0 = 0; r0 < rows_;) {
         const int rr = rows_ - r0 >= 4 ? 4 : (rows_ - r0 >= 2 ? 2 : 1);
         const int cmax = std::min(8, kKeyMajorAccumulators / rr);
         for (int c = 0; c < nv; c += cmax) {
           float* acc = ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_ + c * lanes_;
-          const float* wt = weights + static_cast<std::int64_t>(r0) * w_;
+          const float* wt = weights + static_cast<std::int64_t>(r0) * wstride;
           const T* base = v + c * lanes_;
           with_column_vectors(std::min(cmax, nv - c), [&](auto cv) {
             constexpr int C = decltype(cv)::value;
             if (rr == 4) {
-              add_keys_to_rows<4, C>(acc, wt, ukeys + k0, n, base, step);
+              add_keys_to_rows<4, C>(acc, wt, wstride, ukeys + k0, n, base, step);
             } else if (rr == 2) {
-              add_keys_to_rows<2, C>(acc, wt, ukeys + k0, n, base, step);
+              add_keys_to_rows<2, C>(acc, wt, wstride, ukeys + k0, n, base, step);
             } else {
-              add_keys_to_rows<1, C>(acc, wt, ukeys + k0, n, base, step);
+              add_keys_to_rows<1, C>(acc, wt, wstride, ukeys + k0, n, base, step);
             }
           });
         }
@@ -836,9 +867,9 @@ class decode_pass : public kernel<T> {
   }
 
   /// acc row r (stride dp), columns [0, C vectors) += sum over the @p n keys t = keys[k] of
-  /// wt[r * W + t] * V row t (at base + t * step), for R rows.
+  /// wt[r * wstride + t] * V row t (at base + t * step), for R rows.
   template <int R, int C>
-  HWY_INLINE void add_keys_to_rows(float* HWY_RESTRICT acc, const float* HWY_RESTRICT wt,
+  HWY_INLINE void add_keys_to_rows(float* HWY_RESTRICT acc, const float* HWY_RESTRICT wt, std::int64_t wstride,
                                    const std::int32_t* HWY_RESTRICT keys, int n, const T* HWY_RESTRICT base,
                                    std::int64_t step) const {
     const DF d;
@@ -852,7 +883,7 @@ class decode_pass : public kernel<T> {
       VF x[C];
       for (int c = 0; c < C; ++c) x[c] = this->load_value(src + c * lanes_);
       for (int r = 0; r < R; ++r) {
-        const VF w = hn::Set(d, wt[static_cast<std::int64_t>(r) * w_ + t]);
+        const VF w = hn::Set(d, wt[static_cast<std::int64_t>(r) * wstride + t]);
         for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(w, x[c], a[r][c]);
       }
     }

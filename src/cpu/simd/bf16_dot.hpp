@@ -81,4 +81,17 @@ inline constexpr int kDecodeRows = 4;
 void decode_dots(const std::uint16_t* q, int rows, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
                  int n, float* part, bool check, std::uint16_t* top) noexcept;
 
+/// Keys per call of decode_pv at most (the decode kernel's key-major block).
+inline constexpr int kDecodePvKeys = 32;
+
+/// The decode kernel's key-major P V from a bf16 cache, each V row read once for all rows: for
+/// @p rows <= kDecodeRows accumulator rows acc + r * dp (fp32, columns in order),
+/// acc[r][0, d) += sum over k < @p n of w[r * wstride + keys[k]] v(keys[k]), the weights rounded to
+/// bf16 (round to nearest even), v(t) = v + t * step (bf16, d a multiple of 32), n <=
+/// kDecodePvKeys, @p keys increasing. Keys are taken in pairs (a last odd key paired with itself
+/// at weight 0), two rows' 32 values interleaved into (v_a[c], v_b[c]) lanes by unpacklo/hi_epi16,
+/// so the accumulators hold the columns permuted while the block runs (undone when stored).
+void decode_pv(float* acc, int rows, int dp, int d, const float* w, std::int64_t wstride, const std::int32_t* keys,
+               int n, const std::uint16_t* v, std::int64_t step) noexcept;
+
 }  // namespace dfss::cpu::bf16dot

@@ -231,7 +231,96 @@ void decode_dots_checked(const std::uint16_t* q, std::int64_t dq, int d, const s
   decode_dots_blocks<R, false>(q, dq, d, k, step, n, part, top);
 }
 
+/// decode_pv's weights of one row as bf16 pairs: pairs[g] = (w of key 2g in the low half, w of
+/// key 2g + 1 in the high half), a weight 0 past @p n.
+void decode_pv_weights(const float* w, const std::int32_t* keys, int n, std::uint32_t* pairs) noexcept {
+  alignas(64) float x[kDecodePvKeys];
+  if (keys[n - 1] - keys[0] == n - 1) {  // increasing keys: a contiguous range
+    const float* src = w + keys[0];
+    for (int k = 0; k < kDecodePvKeys; k += 16) {
+      const int left = n - k <= 0 ? 0 : (n - k < 16 ? n - k : 16);
+      _mm512_store_ps(x + k, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1u), src + k));
+    }
+  } else {
+    for (int k = 0; k < kDecodePvKeys; ++k) x[k] = k < n ? w[keys[k]] : 0.0f;
+  }
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_load_ps(x + 16), _mm512_load_ps(x));
+  _mm512_storeu_si512(pairs, __builtin_bit_cast(__m512i, b));
+}
+
+/// decode_pv for R rows, NB blocks of 32 columns per slice of the columns (2 R NB <= 16
+/// accumulators). A block's accumulators in the unpacked order: lo lane i holds column 8 (i / 4) +
+/// i % 4 of the block, hi lane i that plus 4.
+template <int R, int NB>
+void decode_pv_rows(float* acc, int dp, int d, const std::uint32_t (*wp)[kDecodePvKeys / 2], const std::int32_t* keys,
+                    int n, const std::uint16_t* v, std::int64_t step) noexcept {
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i from_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i from_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const int pairs = (n + 1) / 2;
+  for (int c0 = 0; c0 < d; c0 += 32 * NB) {
+    const int nb = (d - c0) / 32 < NB ? (d - c0) / 32 : NB;
+    __m512 lo[R][NB], hi[R][NB];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int k = 0; k < NB; ++k) {
+        if (k >= nb) {  // past d: never updated or stored
+          lo[r][k] = hi[r][k] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* a = acc + static_cast<std::ptrdiff_t>(r) * dp + c0 + 32 * k;
+        const __m512 n0 = _mm512_loadu_ps(a), n1 = _mm512_loadu_ps(a + 16);
+        lo[r][k] = _mm512_permutex2var_ps(n0, to_lo, n1);
+        hi[r][k] = _mm512_permutex2var_ps(n0, to_hi, n1);
+      }
+    }
+    for (int g = 0; g < pairs; ++g) {
+      const std::uint16_t* a = v + keys[2 * g] * step + c0;
+      const std::uint16_t* b = v + keys[2 * g + 1 < n ? 2 * g + 1 : 2 * g] * step + c0;
+      __m512bh wr[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) wr[r] = as_bh(_mm512_set1_epi32(static_cast<int>(wp[r][g])));
+#pragma GCC unroll 4
+      for (int k = 0; k < NB; ++k) {
+        if (k >= nb) continue;
+        const __m512i x = _mm512_loadu_si512(a + 32 * k), y = _mm512_loadu_si512(b + 32 * k);
+        const __m512bh xl = as_bh(_mm512_unpacklo_epi16(x, y)), xh = as_bh(_mm512_unpackhi_epi16(x, y));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          lo[r][k] = _mm512_dpbf16_ps(lo[r][k], wr[r], xl);
+          hi[r][k] = _mm512_dpbf16_ps(hi[r][k], wr[r], xh);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int k = 0; k < NB; ++k) {
+        if (k >= nb) continue;
+        float* a = acc + static_cast<std::ptrdiff_t>(r) * dp + c0 + 32 * k;
+        _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[r][k], from_0, hi[r][k]));
+        _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[r][k], from_1, hi[r][k]));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void decode_pv(float* acc, int rows, int dp, int d, const float* w, std::int64_t wstride, const std::int32_t* keys,
+               int n, const std::uint16_t* v, std::int64_t step) noexcept {
+  if (n <= 0) return;
+  alignas(64) std::uint32_t wp[kDecodeRows][kDecodePvKeys / 2];
+  for (int r = 0; r < rows; ++r) decode_pv_weights(w + r * wstride, keys, n, wp[r]);
+  switch (rows) {
+    case 4: return decode_pv_rows<4, 2>(acc, dp, d, wp, keys, n, v, step);
+    case 3: return decode_pv_rows<3, 2>(acc, dp, d, wp, keys, n, v, step);
+    case 2: return decode_pv_rows<2, 4>(acc, dp, d, wp, keys, n, v, step);
+    default: return decode_pv_rows<1, 4>(acc, dp, d, wp, keys, n, v, step);
+  }
+}
 
 void decode_dots(const std::uint16_t* q, int rows, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
                  int n, float* part, bool check, std::uint16_t* top) noexcept {

@@ -34,10 +34,11 @@ double output_tol(const problem& pr) {
 }
 
 /// output_tol plus, where P V takes bf16 dot products (a bf16 cache on avx3_bf16: the weights
-/// rounded to bf16 in the decode kernel's key-major P V, as in the fused forward), the weights'
-/// rounding: each p_k p_k (1 + e_k) with |e_k| <= 2^-9, so O moves by at most 2^-9 max|v| (the
-/// weights sum to l, which is computed from the unrounded ones); doubled to cover vdpbf16ps reading
-/// denormal operands as 0 and flushing denormal partial sums (below 2^-126 per step).
+/// rounded to bf16 in the decode kernel's key-major P V and in the fused forward), the weights'
+/// rounding: each p_k becomes p_k (1 + e_k) with |e_k| <= 2^-8 (8 significant bits, round to
+/// nearest even), and the weights are normalised by the sum of the unrounded ones, so O moves by at
+/// most 2^-8 max|v| (docs/semantics.md, "Precision"; vdpbf16ps's denormal flushes, below 2^-126 per
+/// step, fit in output_tol's slack).
 double value_tol(const problem& pr, cpu_isa isa, dtype t) {
   if (t != dtype::bf16 || isa != cpu_isa::avx3_bf16) return output_tol(pr);
   double vmax = 0;

@@ -797,6 +797,9 @@ class decode_pass : public kernel<T> {
 #if DFSS_SIMD_BF16_DOT
       if constexpr (std::is_same_v<T, bfloat16>) {
         if (dot_) {
+          // A bf16 cache on avx3_bf16: vdpbf16ps over pairs of keys, the weights rounded to bf16 as
+          // in the fused forward's P V (docs/semantics.md, "Precision"); a non-finite V value still
+          // makes the accumulators non-finite (0 * inf is NaN there too), so the undo below holds.
           static_assert(bf16dot::kDecodePvKeys == kKeyMajorBlock, "one call per key block");
           for (int r0 = 0; r0 < rows_; r0 += bf16dot::kDecodeRows) {
             bf16dot::decode_pv(ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_, std::min(bf16dot::kDecodeRows, rows_ - r0),

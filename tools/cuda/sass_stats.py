@@ -205,10 +205,20 @@ def main() -> int:
         with open(args.budget) as fh:
             budget = json.load(fh)
         for name, target in budget.get("targets", {}).items():
-            worst = max((r["per_tile"] for r in rows if r["kernel"] == name and r["per_tile"] is not None), default=None)
-            if worst is not None:
-                print(f"{name}: worst {worst:.0f} instructions per warp per 32x32 tile, target {target}: "
-                      f"{'met' if worst <= target else 'not met'}")
+            counted = [r for r in rows if r["kernel"] == name and r["per_tile"] is not None]
+            if not counted:
+                continue
+            if isinstance(target, dict):
+                chosen = [r for r in counted if target["instances"] in r["args"]]
+                limit, scope = target["at_most"], f"instances '{target['instances'].strip(', ')}'"
+            else:
+                chosen, limit, scope = counted, target, "all instances"
+            top = max(counted, key=lambda r: r["per_tile"])
+            if chosen:
+                worst = max(r["per_tile"] for r in chosen)
+                print(f"{name}: {scope}: worst {worst:.0f} instructions per warp per 32x32 tile, target {limit}: "
+                      f"{'met' if worst <= limit else 'not met'}")
+            print(f"{name}: worst of all instances {top['per_tile']:.0f} ({top['args']}, {top['arch']})")
         for r in rows:
             cap = budget["ceilings"].get(r["kernel"])
             if cap is not None and r["per_tile"] is not None and r["per_tile"] > cap:

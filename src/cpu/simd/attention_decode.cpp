@@ -73,8 +73,6 @@ inline constexpr int kDecodeKeyTile = 256;
 /// memory by the first column slice and again from L1 by the others and by further row blocks;
 /// 32 rows of fp32 at d = 128 are 16 KiB, half of Zen 4's L1.
 inline constexpr int kKeyMajorBlock = 32;
-/// Bytes per prefetch: the cache line of every x86-64 and AArch64 core dfss targets.
-inline constexpr std::int64_t kCacheLine = 64;
 
 /// Keys per chunk: a multiple of the key tile width @p w (so of M), a function of the shape only.
 inline std::int64_t decode_chunk_keys(const attention_params& p, int w) {
@@ -269,23 +267,6 @@ class decode_pass : public kernel<T> {
     }
   }
 
-  /// Prefetches the bytes of row (b, j, h) of a [B, L, H, d] input with element strides @p st.
-  void prefetch_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h) const {
-    if (st[3] != 1) return;  // a strided row: left to the hardware
-    const char* row = static_cast<const char*>(base) + core::offset4(st, b, j, h, 0) * static_cast<std::int64_t>(sizeof(T));
-    for (std::int64_t x = 0; x < static_cast<std::int64_t>(sizeof(T)) * d_; x += kCacheLine) prefetch_line(row + x);
-  }
-
-  /// GCC 12 emits nothing for __builtin_prefetch (and so for hwy::Prefetch) inside functions compiled
-  /// under Highway's per-target `#pragma GCC target`, so on x86-64 the instruction is written out.
-  static HWY_INLINE void prefetch_line(const char* p) {
-#if HWY_ARCH_X86
-    asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-    __builtin_prefetch(p);
-#endif
-  }
-
   /// Tile j0, first half: S = Q K^T (direct_scores, else panel_scores; which one is recorded for
   /// the slots of @p parity), and per row bias, masks, NaN detection and the N:M selection into the
   /// compacted slots of @p parity,
@@ -328,9 +309,9 @@ class decode_pass : public kernel<T> {
       for (int t = 0; t < panel_; ++t) {
         const std::int64_t j = j0 + blk * panel_ + t;
         if (j + kPrefetchTiles * w_ < j_end) {
-          prefetch_row(p_.k, p_.k_stride, b, j + kPrefetchTiles * w_, hk);
+          this->prefetch_row(p_.k, p_.k_stride, b, j + kPrefetchTiles * w_, hk);
           // Dense attention reads every V row: prefetched as far ahead as K.
-          if (dense_) prefetch_row(p_.v, p_.v_stride, b, j + kPrefetchTiles * w_, hk);
+          if (dense_) this->prefetch_row(p_.v, p_.v_stride, b, j + kPrefetchTiles * w_, hk);
         }
         this->load_row(p_.k, p_.k_stride, b, j, hk, j < tile_end, rows + t * dp_);
         risky = risky || !this->row_is_tame(rows + t * dp_);
@@ -661,7 +642,7 @@ class decode_pass : public kernel<T> {
     }
     if (!dense_ && !ws.direct[parity]) {
       for (int t = 0; t < w_; ++t) {
-        if (used[t] != 0) prefetch_row(p_.v, p_.v_stride, b, j0 + t, hk);
+        if (used[t] != 0) this->prefetch_row(p_.v, p_.v_stride, b, j0 + t, hk);
       }
     }
   }

@@ -53,6 +53,8 @@ namespace dfss::cpu::simd {
 /// (32 x dp), S (32 x W) and accumulators (32 x dp) stay in L1/L2 for d = 64. A multiple of every
 /// micro-kernel height (4 and 8).
 inline constexpr int kRowsPerTask = 32;
+/// Bytes per prefetch: the cache line of every x86-64 and AArch64 core dfss targets.
+inline constexpr std::int64_t kCacheLine = 64;
 /// Row tasks (kRowsPerTask query rows of a (batch, head)) below which the fused forward splits each
 /// row task's keys into chunks (flash-decoding, exact through the LSE merge): enough tasks for up
 /// to a few dozen threads. The rule reads the shape only, so a shape splits the same way on every
@@ -777,6 +779,23 @@ struct kernel {
       const hn::Rebind<hwy::bfloat16_t, DF> dh;
       return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(src)));
     }
+  }
+
+  /// Prefetches the bytes of row (b, j, h) of a [B, L, H, d] input with element strides @p st.
+  void prefetch_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h) const {
+    if (st[3] != 1) return;  // a strided row: left to the hardware
+    const char* row = static_cast<const char*>(base) + core::offset4(st, b, j, h, 0) * static_cast<std::int64_t>(sizeof(T));
+    for (std::int64_t x = 0; x < static_cast<std::int64_t>(sizeof(T)) * d_; x += kCacheLine) prefetch_line(row + x);
+  }
+
+  /// GCC 12 emits nothing for __builtin_prefetch (and so for hwy::Prefetch) inside functions compiled
+  /// under Highway's per-target `#pragma GCC target`, so on x86-64 the instruction is written out.
+  static HWY_INLINE void prefetch_line(const char* p) {
+#if HWY_ARCH_X86
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p);
+#endif
   }
 
   /// Row (b, j, h, :) of a [B, L, H, d] tensor as dp floats (zero padded; all zero when !valid).

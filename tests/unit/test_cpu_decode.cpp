@@ -33,17 +33,15 @@ double output_tol(const problem& pr) {
   return (16.0 + static_cast<double>(pr.Lk)) * kEps32 * vmax;
 }
 
-/// output_tol plus, where P V takes bf16 dot products (a bf16 cache on avx3_bf16: the weights
-/// rounded to bf16 in the decode kernel's key-major P V and in the fused forward), the weights'
-/// rounding: each p_k becomes p_k (1 + e_k) with |e_k| <= 2^-8 (8 significant bits, round to
-/// nearest even), and the weights are normalised by the sum of the unrounded ones, so O moves by at
-/// most 2^-8 max|v| (docs/semantics.md, "Precision"; vdpbf16ps's denormal flushes, below 2^-126 per
-/// step, fit in output_tol's slack).
+/// output_tol plus, where the forward rounds P to bf16 (forward_rounds_p_to_bf16: a bf16 cache on
+/// avx3_bf16, in the decode kernel's key-major P V and in the fused forward), kBf16Roundoff max|v|
+/// (tests/common/testing.hpp derives it; vdpbf16ps's denormal flushes, below 2^-126 per step, fit
+/// in output_tol's slack).
 double value_tol(const problem& pr, cpu_isa isa, dtype t) {
-  if (t != dtype::bf16 || isa != cpu_isa::avx3_bf16) return output_tol(pr);
+  if (!forward_rounds_p_to_bf16(isa, t)) return output_tol(pr);
   double vmax = 0;
   for (double x : pr.v) vmax = std::max(vmax, std::abs(x));
-  return output_tol(pr) + 0x1p-8 * vmax;
+  return output_tol(pr) + kBf16Roundoff * vmax;
 }
 
 struct shape {

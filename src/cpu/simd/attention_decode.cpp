@@ -24,7 +24,8 @@
 //      are within rounding of each other the two kernels may keep different keys.
 //   3. The V rows of the tile are read only where some row of the group kept the key with a finite
 //      score: a direct tile reads them from the cache while it adds p * V[key], row by row for one
-//      row, key-major for a group (key_major_accumulate); a panel tile converts the union of kept
+//      row, key-major for a group (key_major_accumulate; a bf16 cache on avx3_bf16 by vdpbf16ps with
+//      the weights rounded to bf16, bf16dot::decode_pv); a panel tile converts the union of kept
 //      rows once into scratch (prefetched when the tile's selection is known, read after the next
 //      tile's scores; a dense pattern's V is prefetched with K).
 // Each task leaves its rows' partial state (max m_c, sum l_c, unnormalised accumulator, NaN flag).

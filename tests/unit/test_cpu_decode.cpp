@@ -27,21 +27,20 @@ namespace {
 
 constexpr double kEps32 = 1.0 / (1 << 23);
 
-double output_tol(const problem& pr) {
+double max_abs_v(const problem& pr) {
   double vmax = 0;
   for (double x : pr.v) vmax = std::max(vmax, std::abs(x));
-  return (16.0 + static_cast<double>(pr.Lk)) * kEps32 * vmax;
+  return vmax;
 }
+
+double output_tol(const problem& pr) { return (16.0 + static_cast<double>(pr.Lk)) * kEps32 * max_abs_v(pr); }
 
 /// output_tol plus, where the forward rounds P to bf16 (forward_rounds_p_to_bf16: a bf16 cache on
 /// avx3_bf16, in the decode kernel's key-major P V and in the fused forward), kBf16Roundoff max|v|
 /// (tests/common/testing.hpp derives it; vdpbf16ps's denormal flushes, below 2^-126 per step, fit
 /// in output_tol's slack).
 double value_tol(const problem& pr, cpu_isa isa, dtype t) {
-  if (!forward_rounds_p_to_bf16(isa, t)) return output_tol(pr);
-  double vmax = 0;
-  for (double x : pr.v) vmax = std::max(vmax, std::abs(x));
-  return output_tol(pr) + kBf16Roundoff * vmax;
+  return output_tol(pr) + (forward_rounds_p_to_bf16(isa, t) ? kBf16Roundoff * max_abs_v(pr) : 0.0);
 }
 
 struct shape {

@@ -208,11 +208,8 @@ def main() -> int:
             counted = [r for r in rows if r["kernel"] == name and r["per_tile"] is not None]
             if not counted:
                 continue
-            if isinstance(target, dict):
-                chosen = [r for r in counted if target["instances"] in r["args"]]
-                limit, scope = target["at_most"], f"instances '{target['instances'].strip(', ')}'"
-            else:
-                chosen, limit, scope = counted, target, "all instances"
+            chosen = [r for r in counted if target["instances"] in r["args"]]
+            limit, scope = target["at_most"], f"instances '{target['instances'].strip(', ')}'"
             top = max(counted, key=lambda r: r["per_tile"])
             if chosen:
                 worst = max(r["per_tile"] for r in chosen)

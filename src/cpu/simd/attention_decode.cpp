@@ -725,7 +725,9 @@ class decode_pass : public kernel<T> {
     std::int64_t wstride = w_;
     bool every_key = dense_;
     for (int r = 0; r < rows_ && every_key; ++r) every_key = ws.kept.ptr[parity * rows_mk_ + r] == keys;
-    int nu = 0;
+    // Whether the whole tile is read, in address order (ukeys = 0, 1, ..., keys - 1).
+    bool whole_tile = every_key;
+    int nu = keys;
     if (every_key) {
       // Every row kept every key of the tile (a dense pattern, no mask inside it): the slots are
       // the keys in order (the dense compaction's), so they are the weights as they stand. The
@@ -733,8 +735,6 @@ class decode_pass : public kernel<T> {
       // cache in L3).
       weights = slot_val(ws, parity, 0);
       wstride = cstride_;
-      for (int t = 0; t < keys; ++t) ukeys[t] = t;
-      nu = keys;
     } else {
       float* wt = ws.weights.ptr;
       std::int32_t* mark = ws.union_mark.ptr;
@@ -755,16 +755,16 @@ class decode_pass : public kernel<T> {
         mark[t] = 0;
         ukeys[count++] = t;
       }
-      nu = count;
-      if (nu == 0) return true;
-      if (4 * nu >= 3 * keys) {
-        // Most of the tile is kept by some row (random 1:2 or 2:4 scores with 4 heads per group keep
-        // about 15 keys in 16): the whole tile is read, in address order, with weight 0 for the few
-        // keys no row kept. Skipping them broke the hardware prefetcher's stream: GQA 32:8, 1:2,
-        // fp32 cache, Lk = 16384, one Zen 4 thread, 12.1-13.0 -> 10.3-10.5 ms (dense: 10.0-10.4).
-        for (int t = 0; t < keys; ++t) ukeys[t] = t;
-        nu = keys;
-      }
+      if (count == 0) return true;
+      // Most of the tile kept by some row (random 1:2 or 2:4 scores with 4 heads per group keep
+      // about 15 keys in 16): the whole tile is read, in address order, with weight 0 for the few
+      // keys no row kept. Skipping them broke the hardware prefetcher's stream: GQA 32:8, 1:2,
+      // fp32 cache, Lk = 16384, one Zen 4 thread, 12.1-13.0 -> 10.3-10.5 ms (dense: 10.0-10.4).
+      whole_tile = 4 * count >= 3 * keys;
+      if (!whole_tile) nu = count;
+    }
+    if (whole_tile) {
+      for (int t = 0; t < keys; ++t) ukeys[t] = t;
     }
     const std::int64_t acc_floats = static_cast<std::int64_t>(rows_) * dp_;
     std::copy(ws.acc.ptr, ws.acc.ptr + acc_floats, ws.acc_saved.ptr);

@@ -19,6 +19,13 @@ fi
 rm -rf "$work"
 "$python" -m venv --system-site-packages "$work/venv"
 export DFSS_PYTHON_BUILD_DIR="$work/build" MAX_JOBS=${MAX_JOBS:-2}
+# ccache (.ci/run installs it) through Debian's compiler links, as torch 2.x's extension builder
+# uses it by itself: the operator's files against torch's headers took most of this test's 3-4
+# minutes on 2 cores, compiled anew in every run; paths relative to the source tree, so that
+# another clone of it hits the cache too.
+if [ -d /usr/lib/ccache ] && command -v ccache >/dev/null; then
+  export PATH="/usr/lib/ccache:$PATH" CCACHE_BASEDIR="$src"
+fi
 if [ -n "$core" ]; then export DFSS_CORE_LIBRARY="$core"; fi
 start=$(date +%s)
 (cd "$src" && "$work/venv/bin/python" -m pip install --quiet --no-build-isolation --no-deps --no-index \

@@ -10,8 +10,8 @@
 //   2. Per key tile of W keys of the chunk, S = Q K^T by one of two paths:
 //      - direct (rows of K and V contiguous, d a multiple of the vector, every K value of the tile
 //        tame): each key's row is read straight from the cache in address order and dotted with
-//        every row of the group (a vector of partial sums per row and key, their lanes summed by a
-//        transposing tree; a bf16 cache on avx3_bf16 by vdpbf16ps, bf16dot::decode_dots). With
+//        every row of the group (a vector of partial sums per row and key, its lanes summed at
+//        once; a bf16 cache on avx3_bf16 by vdpbf16ps, bf16dot::decode_dots). With
 //        MHA, bound by the memory's rate: with both threads busy it reads the cache at 80-100% of
 //        a plain sweep; with grouped heads, by compute as much.
 //      - panel (anything else: a huge or non-finite K value, a risky Q or bias, strided rows): the
@@ -120,7 +120,7 @@ HWY_INLINE void store_blocks(D d, hn::Vec<D> v, float* dst, std::int64_t stride)
 /// offsets, accumulator and softmax state.
 struct decode_workspace {
   aligned_buffer<float> q, q_max, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
-  aligned_buffer<float> weights, acc_saved, part;  ///< key-major P V of a direct tile: [rows][W] weights, acc before it
+  aligned_buffer<float> weights, acc_saved;  ///< key-major P V of a direct tile: [rows][W] weights, acc before it
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
   aligned_buffer<std::uint16_t> qb;  ///< avx3_bf16 with a bf16 cache: the group's Q rows as bf16
   aligned_buffer<std::int32_t> union_keys, union_mark;  ///< the tile's keys some row kept, and their marks
@@ -187,7 +187,6 @@ class decode_pass : public kernel<T> {
     ws.acc.resize(rows * dp);
     ws.weights.resize(rows * w);
     ws.acc_saved.resize(rows * dp);
-    ws.part.resize(4 * static_cast<std::size_t>(lanes_) * static_cast<std::size_t>(lanes_));
     ws.union_keys.resize(w);
     ws.union_mark.resize(w);
     std::fill(ws.union_mark.ptr, ws.union_mark.ptr + w, 0);
@@ -339,11 +338,15 @@ class decode_pass : public kernel<T> {
 #endif
   }
 
-  /// Partial dot products of R task rows (Q at @p q, row stride dp) with @p n <= lanes cache rows
-  /// k + t * step: per (row, key) one vector of partial sums over the columns in vector steps, in
-  /// two chains (even and odd vectors, added at the end: half the FMA latency per key; one Zen 4
-  /// thread, GQA 32:8, an L2-resident fp32 step 8% faster on AVX-512, a bf16 one 10-15% on AVX2),
-  /// stored at part[(r * lanes + t) * lanes] (zero vectors for t >= n) for sum_lanes_transposed.
+  /// Dot products of R task rows (Q at @p q, row stride dp) with @p n <= lanes cache rows
+  /// k + t * step into s[r * W + t]: per (row, key) one vector of partial sums over the columns in
+  /// vector steps, in two chains (even and odd vectors, added at the end: half the FMA latency per
+  /// key; one Zen 4 thread, GQA 32:8, an L2-resident fp32 step 8% faster on AVX-512, a bf16 one
+  /// 10-15% on AVX2), its lanes summed at once. Summing the lanes of 16 keys' vectors later, by a
+  /// transposing tree over vectors stored to scratch (fewer instructions), read the cache more
+  /// slowly from memory: GQA 32:8, fp32, Lk = 65536, Zen 4, AVX-512, one thread 54-56 against
+  /// 42-43 ms, two threads 28.3 against 24.6 ms (a plain sweep: 22.8); AVX2 and L2-resident steps
+  /// the same either way.
   /// A key's row is read whole before the next key's, so the loads run in address order:
   /// interleaving the rows of a few keys (more independent FMA chains) made the hardware prefetcher
   /// lose the stream, 19 against 30 GB/s on one Zen 5 core. NV: vectors per row (0: d / lanes at
@@ -351,7 +354,7 @@ class decode_pass : public kernel<T> {
   /// (row_is_tame's test on the bits, so that NaN and inf compare above every finite magnitude).
   template <int R, int NV, bool Check>
   HWY_INLINE void dot_block(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k, std::int64_t step, int n,
-                            float* HWY_RESTRICT part, VI& top) const {
+                            float* HWY_RESTRICT s, VI& top) const {
     const DF d;
     const DI di;
     const int nv = NV > 0 ? NV : d_ / lanes_;
@@ -389,76 +392,29 @@ class decode_pass : public kernel<T> {
         if constexpr (Check) t_top = hn::Max(t_top, hn::And(hn::BitCast(di, kc), magnitude));
         for (int r = 0; r < R; ++r) a[r] = hn::MulAdd(q_at(r, c), kc, a[r]);
       }
-      for (int r = 0; r < R; ++r) hn::Store(hn::Add(a[r], b[r]), d, part + (static_cast<std::int64_t>(r) * lanes_ + t) * lanes_);
-    }
-    for (int t = n; t < lanes_; ++t) {
-      for (int r = 0; r < R; ++r) hn::Store(hn::Zero(d), d, part + (static_cast<std::int64_t>(r) * lanes_ + t) * lanes_);
+      for (int r = 0; r < R; ++r) s[static_cast<std::int64_t>(r) * w_ + t] = hn::GetLane(hn::SumOfLanes(d, hn::Add(a[r], b[r])));
     }
     top = t_top;
   }
 
-  /// s[t] = the sum of the lanes of vector t at part + t * lanes, for t < lanes: a transposing tree
-  /// (pairs of vectors interleaved and added, then pairs of those, then the 128-bit blocks), about
-  /// 3 instructions per vector where a sum of lanes per vector takes about 10 on AVX-512 (it was
-  /// a third of the direct Q K^T's instructions with grouped heads).
-  HWY_INLINE void sum_lanes_transposed(const float* HWY_RESTRICT part, float* HWY_RESTRICT s) const {
-    const DF d;
-    const hn::Repartition<std::uint64_t, DF> du;
-    constexpr int L = static_cast<int>(hn::MaxLanes(DF()));
-    if constexpr (L == 4 || L == 8 || L == 16) {
-      // Per 128-bit block, the partial sums of 4 keys: (a, b) -> [a0+a2, b0+b2, a1+a3, b1+b3], then
-      // two such with their 64-bit halves interleaved -> [a, b, c, d].
-      VF w[L / 4];
-      for (int g = 0; g < L / 4; ++g) {
-        const float* p = part + static_cast<std::int64_t>(4 * g) * L;
-        const VF v0 = hn::Load(d, p), v1 = hn::Load(d, p + L), v2 = hn::Load(d, p + 2 * L), v3 = hn::Load(d, p + 3 * L);
-        const VF u01 = hn::Add(hn::InterleaveLower(d, v0, v1), hn::InterleaveUpper(d, v0, v1));
-        const VF u23 = hn::Add(hn::InterleaveLower(d, v2, v3), hn::InterleaveUpper(d, v2, v3));
-        const auto x01 = hn::BitCast(du, u01), x23 = hn::BitCast(du, u23);
-        w[g] = hn::Add(hn::BitCast(d, hn::InterleaveLower(du, x01, x23)), hn::BitCast(d, hn::InterleaveUpper(du, x01, x23)));
-      }
-      if constexpr (L == 4) {
-        hn::Store(w[0], d, s);
-      } else if constexpr (L == 8) {
-        // Block 0 of w[0] + block 1 of w[0], likewise w[1].
-        hn::Store(hn::Add(hn::ConcatLowerLower(d, w[1], w[0]), hn::ConcatUpperUpper(d, w[1], w[0])), d, s);
-      } else {
-#if HWY_TARGET <= HWY_AVX3
-        // The 256-bit halves of each w added (two w per vector), then its remaining two blocks.
-        const VF x01 = hn::Add(hn::ConcatLowerLower(d, w[1], w[0]), hn::ConcatUpperUpper(d, w[1], w[0]));
-        const VF x23 = hn::Add(hn::ConcatLowerLower(d, w[3], w[2]), hn::ConcatUpperUpper(d, w[3], w[2]));
-        const VF even = VF{_mm512_shuffle_f32x4(x01.raw, x23.raw, _MM_SHUFFLE(2, 0, 2, 0))};
-        const VF odd = VF{_mm512_shuffle_f32x4(x01.raw, x23.raw, _MM_SHUFFLE(3, 1, 3, 1))};
-        hn::Store(hn::Add(even, odd), d, s);
-#endif
-      }
-    } else {
-      for (int t = 0; t < L; ++t) s[t] = hn::GetLane(hn::SumOfLanes(d, hn::Load(d, part + static_cast<std::int64_t>(t) * L)));
-    }
-  }
-
   /// The direct tile's block loop, written once for both ways of taking the dot products: per
   /// block of one vector's lanes of keys (t0, n of them) and per block of rows (r0, rb of them,
-  /// rb = @p block_rows(rows left)), @p dots(r0, rb, t0, n) leaves the rows' partial sums in
-  /// ws.part, whose lanes are then summed into s[r * W + t].
+  /// rb = @p block_rows(rows left)), @p dots(r0, rb, t0, n) writes the rows' scores of those keys
+  /// into s[r * W + t].
   template <typename BlockRows, typename Dots>
-  void dot_blocks(decode_workspace& ws, int keys, const BlockRows& block_rows, const Dots& dots) const {
-    const float* part = ws.part.ptr;
+  void dot_blocks(int keys, const BlockRows& block_rows, const Dots& dots) const {
     for (int t0 = 0; t0 < keys; t0 += lanes_) {
       const int n = std::min(lanes_, keys - t0);
       for (int r0 = 0; r0 < rows_;) {
         const int rb = block_rows(rows_ - r0);
         dots(r0, rb, t0, n);
-        for (int r = 0; r < rb; ++r) {
-          sum_lanes_transposed(part + static_cast<std::int64_t>(r) * lanes_ * lanes_, ws.s.ptr + static_cast<std::int64_t>(r0 + r) * w_ + t0);
-        }
         r0 += rb;
       }
     }
   }
 
   /// The direct tile's scores into s[r * W + t] for NV vectors per row (dot_blocks): per key block
-  /// every row block's partial sums, the first row block checking the K values as they stream in
+  /// every row block's dot products, the first row block checking the K values as they stream in
   /// from memory, the others reading them from L1. Returns whether every K value was tame, with the
   /// largest |k| in @p max_k.
   template <int NV>
@@ -471,25 +427,25 @@ class decode_pass : public kernel<T> {
     constexpr int R = dot_block_rows<NV>();
     const DI di;
     VI top = hn::Zero(di);
-    float* part = ws.part.ptr;
     const auto block_rows = [](int left) { return left >= R ? R : (left >= 2 ? 2 : 1); };
-    dot_blocks(ws, keys, block_rows, [&](int r0, int rb, int t0, int n) {
+    dot_blocks(keys, block_rows, [&](int r0, int rb, int t0, int n) {
       const T* kb = k + t0 * step;
       const float* q = ws.q.ptr + static_cast<std::int64_t>(r0) * dp_;
+      float* s = ws.s.ptr + static_cast<std::int64_t>(r0) * w_ + t0;
       if (r0 == 0) {
         if (rb == R) {
-          dot_block<R, NV, true>(q, kb, step, n, part, top);
+          dot_block<R, NV, true>(q, kb, step, n, s, top);
         } else if (rb == 2) {
-          dot_block<2, NV, true>(q, kb, step, n, part, top);
+          dot_block<2, NV, true>(q, kb, step, n, s, top);
         } else {
-          dot_block<1, NV, true>(q, kb, step, n, part, top);
+          dot_block<1, NV, true>(q, kb, step, n, s, top);
         }
       } else if (rb == R) {
-        dot_block<R, NV, false>(q, kb, step, n, part, top);
+        dot_block<R, NV, false>(q, kb, step, n, s, top);
       } else if (rb == 2) {
-        dot_block<2, NV, false>(q, kb, step, n, part, top);
+        dot_block<2, NV, false>(q, kb, step, n, s, top);
       } else {
-        dot_block<1, NV, false>(q, kb, step, n, part, top);
+        dot_block<1, NV, false>(q, kb, step, n, s, top);
       }
     });
     const VI above = hn::Set(di, 0x58800001);  // the bits of 2^50, plus one
@@ -500,17 +456,19 @@ class decode_pass : public kernel<T> {
 #endif
 
 #if DFSS_SIMD_BF16_DOT
-  /// direct_dots by vdpbf16ps (bf16dot::decode_dots, blocks of 16 keys and 4 rows), the same
-  /// transposing sum of lanes and the same tame test (on the bf16 bits: 0x5880 is 2^50).
+  /// direct_dots by vdpbf16ps (bf16dot::decode_dots, blocks of 16 keys and 4 rows), the lanes of
+  /// each (row, key) summed at once as in dot_block, and the same tame test (on the bf16 bits:
+  /// 0x5880 is 2^50). Summed later by the transposing tree of vectors in scratch, GQA 32:8 with a
+  /// bf16 cache (Lk = 65536, Zen 4) took 23.1 against 19.0 ms on one thread, 14.3 against 11.9 ms
+  /// on two (a plain sweep over the cache: 16.3 and 11.0 ms).
   bool direct_dots_bf16(decode_workspace& ws, const T* k, std::int64_t step, int keys, float& max_k) const {
-    static_assert(bf16dot::kDecodeKeys == HWY_LANES(float), "one vector of partial sums per row and key");
+    static_assert(bf16dot::kDecodeKeys == HWY_LANES(float), "a block of keys per vector of lanes");
     const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
     std::uint16_t top = 0;
-    float* part = ws.part.ptr;
     const auto block_rows = [](int left) { return std::min(bf16dot::kDecodeRows, left); };
-    dot_blocks(ws, keys, block_rows, [&](int r0, int rb, int t0, int n) {
-      bf16dot::decode_dots(ws.qb.ptr + static_cast<std::int64_t>(r0) * dp_, rb, dp_, d_, kb + t0 * step, step, n, part,
-                           r0 == 0, &top);
+    dot_blocks(keys, block_rows, [&](int r0, int rb, int t0, int n) {
+      bf16dot::decode_dots(ws.qb.ptr + static_cast<std::int64_t>(r0) * dp_, rb, dp_, d_, kb + t0 * step, step, n,
+                           ws.s.ptr + static_cast<std::int64_t>(r0) * w_ + t0, w_, r0 == 0, &top);
     });
     if (top > 0x5880) return false;
     max_k = std::bit_cast<float>(static_cast<std::uint32_t>(top) << 16);

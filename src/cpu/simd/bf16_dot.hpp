@@ -67,19 +67,19 @@ inline constexpr int kTilePairs = 64;
 void pv_tile_rows(float* const* acc, int rows, int dp, const float* const* p, const std::uint32_t* v,
                   int pairs) noexcept;
 
-/// Keys per call of decode_dots (one 16-lane vector of partial sums per row and key).
+/// Keys per call of decode_dots at most (the keys of one 16-lane vector of the decode kernel).
 inline constexpr int kDecodeKeys = 16;
 /// Rows per call of decode_dots at most (their Q in 16 of the 32 registers at d = 128).
 inline constexpr int kDecodeRows = 4;
 
 /// The decode kernel's direct Q K^T from a bf16 cache: for @p rows <= kDecodeRows query rows @p q
 /// (bf16, row stride @p dq) and @p n <= kDecodeKeys cache rows k + t * step (bf16, contiguous),
-/// part[(r * 16 + t) * 16 + j] = the sum over blocks of 32 columns c0 of the products of columns
-/// c0 + 2j + 1 and then c0 + 2j (one vdpbf16ps per block, from zero), zero vectors for t >= n; d a
-/// multiple of 32. The lanes of a vector sum to the score. With @p check, @p top gets the largest
+/// s[r * ds + t] = the score of row r and key t: per lane j the sum over blocks of 32 columns c0
+/// of the products of columns c0 + 2j + 1 and then c0 + 2j (one vdpbf16ps per block, from zero),
+/// then the sum of the 16 lanes; d a multiple of 32. With @p check, @p top gets the largest
 /// magnitude bits (x & 0x7fff) of the K values read.
 void decode_dots(const std::uint16_t* q, int rows, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
-                 int n, float* part, bool check, std::uint16_t* top) noexcept;
+                 int n, float* s, std::int64_t ds, bool check, std::uint16_t* top) noexcept;
 
 /// Keys per call of decode_pv at most (the decode kernel's key-major block).
 inline constexpr int kDecodePvKeys = 32;

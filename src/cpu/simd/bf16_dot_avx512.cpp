@@ -12,6 +12,16 @@ namespace {
 __m512bh as_bh(__m512i x) noexcept { return __builtin_bit_cast(__m512bh, x); }
 __m256bh as_bh(__m256i x) noexcept { return __builtin_bit_cast(__m256bh, x); }
 
+/// The sum of the 16 lanes of @p v, halves added pairwise. Not _mm512_reduce_add_ps: GCC 12's
+/// 512-to-256-bit casts and extracts start from an undefined value inside its own header, which
+/// -Wmaybe-uninitialized (an error in CI) reports at every caller.
+float sum_lanes(__m512 v) noexcept {
+  const __m256 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m128 x = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const __m128 y = x + __builtin_shufflevector(x, x, 2, 3, 2, 3);
+  return y[0] + y[1];
+}
+
 /// The bf16 bits of an fp32 that holds a bf16 value exactly (it was widened from bf16).
 std::uint32_t bf16_bits(float x) noexcept {
   std::uint32_t u;
@@ -173,7 +183,7 @@ void pv_tile_columns(float* const* acc, const std::uint32_t (*w)[kTilePairs], co
 /// decode_dots for R rows and NB blocks of 32 columns (0: d / 32 at run time, Q read from L1).
 template <int R, int NB, bool Check>
 void decode_dots_rows(const std::uint16_t* q, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step, int n,
-                      float* part, std::uint16_t* top) noexcept {
+                      float* s, std::int64_t ds, std::uint16_t* top) noexcept {
   const int nb = NB > 0 ? NB : d / 32;
   constexpr int kHeld = NB > 0 ? NB : 1;
   __m512i qv[R][kHeld];
@@ -201,11 +211,7 @@ void decode_dots_rows(const std::uint16_t* q, std::int64_t dq, int d, const std:
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(part + (r * 16 + t) * 16, a[r]);
-  }
-  for (int t = n; t < kDecodeKeys; ++t) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(part + (r * 16 + t) * 16, _mm512_setzero_ps());
+    for (int r = 0; r < R; ++r) s[r * ds + t] = sum_lanes(a[r]);
   }
   if constexpr (Check) {
     alignas(64) std::uint16_t lanes[32];
@@ -216,19 +222,19 @@ void decode_dots_rows(const std::uint16_t* q, std::int64_t dq, int d, const std:
 
 template <int R, bool Check>
 void decode_dots_blocks(const std::uint16_t* q, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
-                        int n, float* part, std::uint16_t* top) noexcept {
+                        int n, float* s, std::int64_t ds, std::uint16_t* top) noexcept {
   switch (d / 32) {
-    case 2: return decode_dots_rows<R, 2, Check>(q, dq, d, k, step, n, part, top);
-    case 4: return decode_dots_rows<R, 4, Check>(q, dq, d, k, step, n, part, top);
-    default: return decode_dots_rows<R, 0, Check>(q, dq, d, k, step, n, part, top);
+    case 2: return decode_dots_rows<R, 2, Check>(q, dq, d, k, step, n, s, ds, top);
+    case 4: return decode_dots_rows<R, 4, Check>(q, dq, d, k, step, n, s, ds, top);
+    default: return decode_dots_rows<R, 0, Check>(q, dq, d, k, step, n, s, ds, top);
   }
 }
 
 template <int R>
 void decode_dots_checked(const std::uint16_t* q, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
-                         int n, float* part, bool check, std::uint16_t* top) noexcept {
-  if (check) return decode_dots_blocks<R, true>(q, dq, d, k, step, n, part, top);
-  decode_dots_blocks<R, false>(q, dq, d, k, step, n, part, top);
+                         int n, float* s, std::int64_t ds, bool check, std::uint16_t* top) noexcept {
+  if (check) return decode_dots_blocks<R, true>(q, dq, d, k, step, n, s, ds, top);
+  decode_dots_blocks<R, false>(q, dq, d, k, step, n, s, ds, top);
 }
 
 /// decode_pv's weights of one row as bf16 pairs: pairs[g] = (w of key 2g in the low half, w of
@@ -323,12 +329,12 @@ void decode_pv(float* acc, int rows, int dp, int d, const float* w, std::int64_t
 }
 
 void decode_dots(const std::uint16_t* q, int rows, std::int64_t dq, int d, const std::uint16_t* k, std::int64_t step,
-                 int n, float* part, bool check, std::uint16_t* top) noexcept {
+                 int n, float* s, std::int64_t ds, bool check, std::uint16_t* top) noexcept {
   switch (rows) {
-    case 4: return decode_dots_checked<4>(q, dq, d, k, step, n, part, check, top);
-    case 3: return decode_dots_checked<3>(q, dq, d, k, step, n, part, check, top);
-    case 2: return decode_dots_checked<2>(q, dq, d, k, step, n, part, check, top);
-    default: return decode_dots_checked<1>(q, dq, d, k, step, n, part, check, top);
+    case 4: return decode_dots_checked<4>(q, dq, d, k, step, n, s, ds, check, top);
+    case 3: return decode_dots_checked<3>(q, dq, d, k, step, n, s, ds, check, top);
+    case 2: return decode_dots_checked<2>(q, dq, d, k, step, n, s, ds, check, top);
+    default: return decode_dots_checked<1>(q, dq, d, k, step, n, s, ds, check, top);
   }
 }
 

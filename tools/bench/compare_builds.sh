@@ -20,6 +20,11 @@
 #   --isa NAME          the fused kernels' ISA on both sides (automatic); e.g. avx2 compares one
 #                       SIMD target across builds (both builds must know the name)
 #   --backward          time forward + backward (dfss bench --backward) instead of the forward
+#   --decode            time decode steps (dfss bench --decode, one run per round covers every
+#                       cache type and head layout; --head-dims and --algorithms do not apply),
+#                       and print each side's median share of the memory sweep of its own runs;
+#                       --lengths defaults to 16384,65536 there
+#   --decode-heads LIST H:Hkv layouts for --decode (32:32,32:8)
 #   --threads N         threads of each run (2)
 #   --iters N           timed calls per configuration and run (3)
 #   --threshold X       flag ratios above this (1.03)
@@ -27,13 +32,14 @@
 #   --build-root DIR    where the builds are cached (${XDG_CACHE_HOME:-$HOME/.cache}/dfss/compare)
 # Exit status: 0 when no ratio is above the threshold, 3 when some are, 1 or 2 on errors.
 # Environment: JOBS (build parallelism, default 2).
+help_lines=34
 set -euo pipefail
 
 die() { printf 'compare_builds: error: %s\n' "$*" >&2; exit 2; }
 say() { printf 'compare_builds: %s\n' "$*" >&2; }
 
-rounds=5 lengths=1024,2048,4096 head_dims=64,128 dtypes=f32,bf16 patterns=dense,1:2,2:4
-algorithms=fused isa=automatic backward=() threads=2 iters=3 threshold=1.03 out="" build_root="${XDG_CACHE_HOME:-$HOME/.cache}/dfss/compare"
+rounds=5 lengths="" head_dims=64,128 dtypes=f32,bf16 patterns=dense,1:2,2:4
+algorithms=fused isa=automatic backward=() decode=0 decode_heads=32:32,32:8 threads=2 iters=3 threshold=1.03 out="" build_root="${XDG_CACHE_HOME:-$HOME/.cache}/dfss/compare"
 positional=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -45,12 +51,14 @@ while [ $# -gt 0 ]; do
     --algorithms) algorithms="${2:?--algorithms: expected a comma list}"; shift 2 ;;
     --isa) isa="${2:?--isa: expected an ISA name}"; shift 2 ;;
     --backward) backward=(--backward); shift ;;
+    --decode) decode=1; shift ;;
+    --decode-heads) decode_heads="${2:?--decode-heads: expected a comma list}"; shift 2 ;;
     --threads) threads="${2:?--threads: expected a number}"; shift 2 ;;
     --iters) iters="${2:?--iters: expected a number}"; shift 2 ;;
     --threshold) threshold="${2:?--threshold: expected a number}"; shift 2 ;;
     --out) out="${2:?--out: expected a folder}"; shift 2 ;;
     --build-root) build_root="${2:?--build-root: expected a folder}"; shift 2 ;;
-    -h | --help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n "2,${help_lines}p" "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option '$1' (see --help)" ;;
     *) positional+=("$1"); shift ;;
   esac
@@ -58,6 +66,11 @@ done
 if [ ${#positional[@]} -lt 1 ] || [ ${#positional[@]} -gt 2 ]; then
   die "expected OLD_REV [NEW_REV], got ${#positional[@]} arguments: ${positional[*]:-none}"
 fi
+if [ -z "$lengths" ]; then
+  lengths=1024,2048,4096
+  [ "$decode" = 1 ] && lengths=16384,65536
+fi
+[ "$decode" = 1 ] && [ ${#backward[@]} -gt 0 ] && die "--decode and --backward: a decode step has no backward"
 for v in rounds threads iters; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "--${v}: expected an integer >= 1, got '${!v}'"
 done
@@ -99,7 +112,11 @@ model=$(sed -n 's/^model\s*:\s*//p' /proc/cpuinfo | head -1)
   echo "old: $old_sha ($old_rev)"
   echo "new: $new_sha ($new_rev)"
   echo "cpu: $cpu (family $family model $model), $(nproc) hardware threads; load average at start: $(cut -d' ' -f1 /proc/loadavg)"
-  echo "sweep: lengths $lengths, head dims $head_dims, dtypes $dtypes, patterns $patterns, algorithms $algorithms,"
+  if [ "$decode" = 1 ]; then
+    echo "decode: cache lengths $lengths, heads $decode_heads, cache types $dtypes, patterns $patterns,"
+  else
+    echo "sweep: lengths $lengths, head dims $head_dims, dtypes $dtypes, patterns $patterns, algorithms $algorithms,"
+  fi
   echo "       $threads threads, $iters timed calls per run, $rounds interleaved rounds"
 } | tee "$out/setup.txt" >&2
 
@@ -109,6 +126,18 @@ start=$SECONDS
 for ((r = 1; r <= rounds; r++)); do
   sides=(old new)
   ((r % 2 == 0)) && sides=(new old)
+  if [ "$decode" = 1 ]; then
+    for side in "${sides[@]}"; do
+      bin=$old_bin
+      [ "$side" = new ] && bin=$new_bin
+      say "round $r/$rounds, decode: $side ($((SECONDS - start)) s so far)"
+      "$bin" bench --decode --lengths "$lengths" --decode-heads "$decode_heads" --decode-dtypes "$dtypes" \
+        --patterns "$patterns" --isa "$isa" --threads "$threads" --iters "$iters" --no-torch \
+        --json "$out/r$r-$side-decode.json" >"$out/r$r-$side-decode.txt" 2>/dev/null ||
+        die "round $r, $side binary ($bin), decode failed: see $out/r$r-$side-decode.txt"
+    done
+    continue
+  fi
   for t in "${dtype_list[@]}"; do
     for d in "${dim_list[@]}"; do
       for side in "${sides[@]}"; do
@@ -125,9 +154,43 @@ for ((r = 1; r <= rounds; r++)); do
 done
 echo "load average at end: $(cut -d' ' -f1 /proc/loadavg); $((SECONDS - start)) s of runs" | tee -a "$out/setup.txt" >&2
 
-python3 - "$out" "$threshold" <<'EOF' | tee "$out/summary.txt"
+python3 - "$out" "$threshold" "$decode" <<'EOF' | tee "$out/summary.txt"
 import glob, json, os, re, statistics, sys
-out, threshold = sys.argv[1], float(sys.argv[2])
+out, threshold, decode = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
+if decode:
+    # (Lk, H, Hkv, cache, row) -> side -> round -> (ms, share of the sweep)
+    ms, kernels = {}, {}
+    for path in sorted(glob.glob(os.path.join(out, "r*-*-decode.json"))):
+        rnd, side = re.fullmatch(r"r(\d+)-(old|new)-decode\.json", os.path.basename(path)).groups()
+        with open(path) as f:
+            for row in json.load(f)["rows"]:
+                if not row["ok"]:
+                    continue
+                key = (row["cache"], row["H"], row["Hkv"], row["Lk"], row["row"])
+                ms.setdefault(key, {}).setdefault(side, {})[int(rnd)] = (row["ms_median"], row["fraction_of_bandwidth"])
+                kernels.setdefault(key, {})[side] = row["kernel"]
+    print("decode: median over rounds of new ms / old ms per cache, heads, Lk and row; > %.2f is flagged;" % threshold)
+    print("'of sweep' = median over rounds of that side's share of its own run's memory sweep")
+    print("%-5s %6s %6s %-13s %9s %9s %7s %9s %9s %6s" % ("cache", "H:Hkv", "Lk", "row", "old ms", "new ms", "ratio",
+                                                       "old sweep", "new sweep", "rounds"))
+    flagged = 0
+    for key in sorted(ms, key=lambda k: (k[0], -k[2], k[3], k[4] != "memory sweep", k[4])):
+        cache, h, hkv, lk, what = key
+        sides = ms[key]
+        common = sorted(set(sides.get("old", {})) & set(sides.get("new", {})))
+        if not common:
+            continue
+        ratio = statistics.median(sides["new"][r][0] / sides["old"][r][0] for r in common)
+        share = lambda side: ("%8.0f%%" % (100 * statistics.median(sides[side][r][1] for r in common))
+                              if all(sides[side][r][1] is not None for r in common) else "%9s" % "-")
+        flag = ratio > threshold and what != "memory sweep"
+        flagged += flag
+        print("%-5s %6s %6d %-13s %9.3f %9.3f %7.3f %s %s %6d%s" % (
+            cache, "%d:%d" % (h, hkv), lk, what, statistics.median(sides["old"][r][0] for r in common),
+            statistics.median(sides["new"][r][0] for r in common), ratio, share("old"), share("new"), len(common),
+            "   SLOWER" if flag else ""))
+    print("%d of %d ratios above %.2f" % (flagged, len(ms), threshold))
+    sys.exit(3 if flagged else 0)
 runs = {}  # (side, dtype, d) -> [json of each round]
 for path in sorted(glob.glob(os.path.join(out, "r*-*-*-d*.json"))):
     rnd, side, dtype, d = re.fullmatch(r"r(\d+)-(old|new)-(\w+)-d(\d+)\.json", os.path.basename(path)).groups()

@@ -32,7 +32,6 @@
 #   --build-root DIR    where the builds are cached (${XDG_CACHE_HOME:-$HOME/.cache}/dfss/compare)
 # Exit status: 0 when no ratio is above the threshold, 3 when some are, 1 or 2 on errors.
 # Environment: JOBS (build parallelism, default 2).
-help_lines=34
 set -euo pipefail
 
 die() { printf 'compare_builds: error: %s\n' "$*" >&2; exit 2; }
@@ -58,7 +57,7 @@ while [ $# -gt 0 ]; do
     --threshold) threshold="${2:?--threshold: expected a number}"; shift 2 ;;
     --out) out="${2:?--out: expected a folder}"; shift 2 ;;
     --build-root) build_root="${2:?--build-root: expected a folder}"; shift 2 ;;
-    -h | --help) sed -n "2,${help_lines}p" "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     -*) die "unknown option '$1' (see --help)" ;;
     *) positional+=("$1"); shift ;;
   esac
@@ -158,8 +157,8 @@ python3 - "$out" "$threshold" "$decode" <<'EOF' | tee "$out/summary.txt"
 import glob, json, os, re, statistics, sys
 out, threshold, decode = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
 if decode:
-    # (Lk, H, Hkv, cache, row) -> side -> round -> (ms, share of the sweep)
-    ms, kernels = {}, {}
+    # (cache, H, Hkv, Lk, row) -> side -> round -> (ms, share of the sweep)
+    ms = {}
     for path in sorted(glob.glob(os.path.join(out, "r*-*-decode.json"))):
         rnd, side = re.fullmatch(r"r(\d+)-(old|new)-decode\.json", os.path.basename(path)).groups()
         with open(path) as f:
@@ -168,7 +167,6 @@ if decode:
                     continue
                 key = (row["cache"], row["H"], row["Hkv"], row["Lk"], row["row"])
                 ms.setdefault(key, {}).setdefault(side, {})[int(rnd)] = (row["ms_median"], row["fraction_of_bandwidth"])
-                kernels.setdefault(key, {})[side] = row["kernel"]
     print("decode: median over rounds of new ms / old ms per cache, heads, Lk and row; > %.2f is flagged;" % threshold)
     print("'of sweep' = median over rounds of that side's share of its own run's memory sweep")
     print("%-5s %6s %6s %-13s %9s %9s %7s %9s %9s %6s" % ("cache", "H:Hkv", "Lk", "row", "old ms", "new ms", "ratio",
@@ -189,7 +187,7 @@ if decode:
             cache, "%d:%d" % (h, hkv), lk, what, statistics.median(sides["old"][r][0] for r in common),
             statistics.median(sides["new"][r][0] for r in common), ratio, share("old"), share("new"), len(common),
             "   SLOWER" if flag else ""))
-    print("%d of %d ratios above %.2f" % (flagged, len(ms), threshold))
+    print("%d of %d dfss ratios above %.2f" % (flagged, sum(k[4] != "memory sweep" for k in ms), threshold))
     sys.exit(3 if flagged else 0)
 runs = {}  # (side, dtype, d) -> [json of each round]
 for path in sorted(glob.glob(os.path.join(out, "r*-*-*-d*.json"))):

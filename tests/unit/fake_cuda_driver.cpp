@@ -1,4 +1,4 @@
-// A stand-in for the CUDA driver (soname libcuda.so.1) that the device-pointer tests load: it
+// A stand-in for the CUDA driver (a file libcuda.so.1) that the device-pointer tests load: it
 // answers cuPointerGetAttribute like the real driver does, calling one marked host range "device
 // memory", so that CPU-only CI can check how the API routes and refuses device pointers. It
 // exports nothing else, so a CUDA runtime that finds it fails to initialise, as without a driver.

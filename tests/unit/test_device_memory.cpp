@@ -1,7 +1,7 @@
 // Device pointers on the host backends (docs/semantics.md, "Memory"): backend::automatic sends a
 // call whose data is CUDA device memory to the CUDA backend (or refuses it clearly where this
 // build has none); cpu and reference refuse it; nothing dereferences it. A stand-in driver
-// (fake_cuda_driver.cpp, soname libcuda.so.1) marks an ordinary host buffer as device memory, so
+// (fake_cuda_driver.cpp, a file named libcuda.so.1) marks an ordinary host buffer as device memory, so
 // a kernel that read it anyway would compute a result instead of crashing: the tests check that no
 // output was written.
 #include <gtest/gtest.h>
@@ -19,7 +19,7 @@ namespace {
 
 using mark_fn = void (*)(const void*, std::size_t, bool);
 
-/// Loads the stand-in driver once; its soname makes the library's RTLD_NOLOAD probe find it.
+/// Loads the stand-in driver once; its file name makes the library's probe find it.
 mark_fn fake_driver() {
   static mark_fn mark = [] {
     void* h = dlopen(DFSS_FAKE_CUDA_DRIVER, RTLD_NOW | RTLD_GLOBAL);

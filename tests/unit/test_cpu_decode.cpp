@@ -52,7 +52,8 @@ struct shape {
 
 /// Shapes of a decode step: one row and speculative drafts (Lq up to 5), caches of 1 to 4099 keys
 /// (1000 and 4099 split into several chunks; none a multiple of a tile or of M), GQA (8 / 2), MQA
-/// (4 / 1) and MHA, key lengths with a 0 and ends inside a group of 4, d = 128 and an odd d.
+/// (4 / 1) and MHA, key lengths with a 0 and ends inside a group of 4, d = 128, an odd d, and
+/// d = 256 (on AVX-512 a Q K^T block of one row: eight keys per sum of lanes, store_sums8).
 std::vector<shape> decode_shapes() {
   return {
       {1, 1, 1, 1, 1, 8, false, false, {}},
@@ -62,6 +63,7 @@ std::vector<shape> decode_shapes() {
       {2, 4, 1000, 4, 1, 24, true, false, {1000, 517}},
       {2, 5, 4099, 8, 2, 64, false, false, {4099, 2053}},
       {1, 1, 4099, 2, 2, 128, false, false, {}},
+      {1, 2, 300, 4, 2, 256, false, false, {300}},
   };
 }
 

@@ -274,9 +274,12 @@ class decode_pass : public kernel<T> {
         float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
         this->load_row(p_.q, p_.q_stride, b, r < rows_ ? row_of(r) : 0, r < rows_ ? head_of(hk, r) : 0, r < rows_, q);
         q_risky = q_risky || !this->row_is_tame(q);
-        float top = 0.0f;
-        for (int c = 0; c < d_; ++c) top = std::max(top, std::abs(q[c]));
-        ws.q_max.ptr[r] = top;  // for settle_near_ties (a NaN row is risky: never used)
+        // The largest |q| of the row (zeros pad it to dp), for settle_near_ties (a NaN row is risky:
+        // never used). By vectors: a scalar chain of maxima was a tenth of a short decode step.
+        const DF d;
+        VF top = hn::Zero(d);
+        for (int c = 0; c < dp_; c += lanes_) top = hn::Max(top, hn::Abs(hn::Load(d, q + c)));
+        ws.q_max.ptr[r] = hn::GetLane(hn::MaxOfLanes(d, top));
         if (dot_) {
           std::uint16_t* qb = ws.qb.ptr + static_cast<std::int64_t>(r) * dp_;
           for (int c = 0; c < dp_; ++c) qb[c] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(q[c]) >> 16);
@@ -1009,34 +1012,48 @@ class decode_pass : public kernel<T> {
 
   /// exp_kept for a direct tile, whose V rows come straight from the cache: masked keys (-inf) are
   /// first dropped from the @p kept slots rather than given weight 0 against a row that may hold
-  /// anything (a scalar pass that only tiles with masked keys need: Highway 1.0.3's CompressStore is
-  /// slow on AVX2, see compact), then the exponentials replace the scores in place, the key indices
+  /// anything (those at the end cut off, any others by a scalar pass: Highway 1.0.3's
+  /// CompressStore is slow on AVX2, see compact), then the exponentials replace the scores in place, the key indices
   /// left as they are. @p live gets the slots left. Returns the sum of the exponentials.
   template <bool Split>
   HWY_INLINE float exp_live(float* cv, std::int32_t* ci, int kept, float mx, int& live) const {
     const DF d;
     const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
-    auto masked = hn::Lt(neg_inf, neg_inf);  // none
+    // Per vector of slots: how many are masked, and where the last one not masked is.
+    std::size_t masked = 0;
+    int last = -1;  // the first slot of the last vector holding a slot not masked
     for (int t = 0; t < kept; t += lanes_) {
       // Slots past kept are padding: only the first kept - t lanes count.
-      masked = hn::Or(masked, hn::And(hn::Eq(hn::Load(d, cv + t), neg_inf), hn::FirstN(d, static_cast<std::size_t>(kept - t))));
+      const auto in = hn::FirstN(d, static_cast<std::size_t>(kept - t));
+      const auto m = hn::And(hn::Eq(hn::Load(d, cv + t), neg_inf), in);
+      masked += hn::CountTrue(d, m);
+      if (!hn::AllFalse(d, hn::AndNot(m, in))) last = t;
     }
-    live = kept;
-    if (!hn::AllFalse(d, masked)) {
-      live = 0;
-      for (int k = 0; k < kept; ++k) {
-        if (cv[k] == -std::numeric_limits<float>::infinity()) continue;
-        cv[live] = cv[k];
-        ci[live++] = ci[k];
+    int n = kept;  // a local, not the caller's slot count, so that the loops keep it in a register
+    if (masked != 0) {
+      // Masked slots at the end (keys past a short tile's end or a row's key limit) are cut off by
+      // vectors, then within the last one. A direct tile has no bias, so those are all its masked
+      // slots; any others would be compacted one by one.
+      n = last < 0 ? 0 : std::min(kept, last + lanes_);
+      while (n > 0 && cv[n - 1] == -std::numeric_limits<float>::infinity()) --n;
+      if (masked != static_cast<std::size_t>(kept - n)) {
+        int out = 0;
+        for (int k = 0; k < n; ++k) {
+          if (cv[k] == -std::numeric_limits<float>::infinity()) continue;
+          cv[out] = cv[k];
+          ci[out++] = ci[k];
+        }
+        n = out;
       }
     }
+    live = n;
     const VF vmx = hn::Set(d, mx), ve1 = hn::Set(d, e1_), ve2 = hn::Set(d, e2_);
     VF vsum = hn::Zero(d);
-    for (int t = 0; t < live; t += lanes_) {
+    for (int t = 0; t < n; t += lanes_) {
       VF y = hn::Mul(hn::Sub(hn::Load(d, cv + t), vmx), ve1);
       if constexpr (Split) y = hn::Mul(y, ve2);
-      // Lanes past live: whatever the slots held (scores, padding); computed, never summed or read.
-      const VF e = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(live - t)), exp2_poly(y));
+      // Lanes past n: whatever the slots held (scores, padding); computed, never summed or read.
+      const VF e = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(n - t)), exp2_poly(y));
       hn::Store(e, d, cv + t);
       vsum = hn::Add(vsum, e);
     }

@@ -166,13 +166,12 @@ class backward_pass : public kernel<T> {
     // A NaN row's P and dS are NaN at the keys it kept (nan_row_keys), so its NaN reaches exactly
     // those keys' dK and dV, as in the reference.
     for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
-      for (int c = 0; c < d_; ++c) {
-        const std::int64_t at = j * dp_ + c;
-        core::store_from_double(p_.dk, p_.output_type, core::offset4(p_.dk_stride, b, j, hk, c),
-                                static_cast<double>(ws.dk.ptr[at]));
-        core::store_from_double(p_.dv, p_.output_type, core::offset4(p_.dv_stride, b, j, hk, c),
-                                static_cast<double>(ws.dv.ptr[at]));
-      }
+      const float* dk = ws.dk.ptr + j * dp_;
+      const float* dv = ws.dv.ptr + j * dp_;
+      core::store_row_from_float(p_.dk, p_.output_type, core::offset4(p_.dk_stride, b, j, hk, 0), p_.dk_stride[3], d_,
+                                 [dk](int c) { return dk[c]; });
+      core::store_row_from_float(p_.dv, p_.output_type, core::offset4(p_.dv_stride, b, j, hk, 0), p_.dv_stride[3], d_,
+                                 [dv](int c) { return dv[c]; });
     }
   }
 
@@ -262,10 +261,9 @@ class backward_pass : public kernel<T> {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int i = 0; i < rows; ++i) {
       const bool is_nan = ws.row_nan.ptr[i] != 0;
-      for (int c = 0; c < d_; ++c) {
-        core::store_from_double(p_.dq, p_.output_type, core::offset4(p_.dq_stride, b, i0 + i, h, c),
-                                static_cast<double>(is_nan ? nan : ws.acc.ptr[i * dp_ + c]));
-      }
+      const float* dq = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
+      core::store_row_from_float(p_.dq, p_.output_type, core::offset4(p_.dq_stride, b, i0 + i, h, 0), p_.dq_stride[3],
+                                 d_, [&](int c) { return is_nan ? nan : dq[c]; });
     }
   }
 

@@ -49,9 +49,12 @@ inline void store_row_from_float(void* base, dtype t, std::int64_t off, std::int
   switch (t) {
     case dtype::f64: write(static_cast<double*>(base), [](float x) { return static_cast<double>(x); }); break;
     case dtype::f32: write(static_cast<float*>(base), [](float x) { return x; }); break;
-    case dtype::f16: write(static_cast<std::uint16_t*>(base), [](float x) { return from_double<half>(x).bits; }); break;
+    case dtype::f16:
+      write(static_cast<std::uint16_t*>(base), [](float x) { return from_double<half>(static_cast<double>(x)).bits; });
+      break;
     case dtype::bf16:
-      write(static_cast<std::uint16_t*>(base), [](float x) { return from_double<bfloat16>(x).bits; });
+      write(static_cast<std::uint16_t*>(base),
+            [](float x) { return from_double<bfloat16>(static_cast<double>(x)).bits; });
       break;
     default: break;
   }

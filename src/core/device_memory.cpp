@@ -7,6 +7,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -24,15 +25,38 @@ constexpr unsigned int kMemoryTypeDevice = 2;          // CU_MEMORYTYPE_DEVICE
 /// Room for the path of a loaded driver (PATH_MAX on Linux); a longer one counts as no driver.
 constexpr std::size_t kPathRoom = 4096;
 
+/// What find_driver walks with: where the path goes, and the loader's counts of objects added and
+/// removed at the last walk that found no driver.
+struct driver_search {
+  char* path;
+  unsigned long long known_adds, known_subs;
+  unsigned long long adds = 0, subs = 0;
+  bool unchanged = false;
+  bool first = true;
+};
+
 /// dl_iterate_phdr's callback: the path of a loaded CUDA driver (a file named libcuda.so*) into
-/// the kPathRoom chars at @p out. Nothing in it can throw (it runs inside the C library).
-int find_driver(dl_phdr_info* info, std::size_t, void* out) {
+/// the kPathRoom chars at search->path. Nothing in it can throw (it runs inside the C library).
+int find_driver(dl_phdr_info* info, std::size_t size, void* data) {
+  auto* search = static_cast<driver_search*>(data);
+  if (search->first) {
+    search->first = false;
+    if (size >= offsetof(dl_phdr_info, dlpi_subs) + sizeof(info->dlpi_subs)) {
+      search->adds = info->dlpi_adds;
+      search->subs = info->dlpi_subs;
+      // No object loaded or unloaded since a walk that found no driver: none now either.
+      if (search->adds == search->known_adds && search->subs == search->known_subs) {
+        search->unchanged = true;
+        return 1;
+      }
+    }
+  }
   const char* path = info->dlpi_name;
   if (path == nullptr) return 0;
   const char* slash = std::strrchr(path, '/');
   const char* file = slash != nullptr ? slash + 1 : path;
   if (std::strncmp(file, "libcuda.so", 10) != 0 || std::strlen(path) >= kPathRoom) return 0;
-  std::strcpy(static_cast<char*>(out), path);
+  std::strcpy(search->path, path);
   return 1;
 }
 
@@ -40,14 +64,25 @@ pointer_get_attribute_fn driver_entry() noexcept {
   // Only a driver already in the process counts. Not cached when absent, since the caller may
   // initialise CUDA later; once found, the driver is never unloaded by CUDA.
   static std::atomic<pointer_get_attribute_fn> cached{nullptr};
+  // The loader's counts at the last walk that found no driver (~0: none yet).
+  static std::atomic<unsigned long long> absent_adds{~0ull}, absent_subs{~0ull};
   if (pointer_get_attribute_fn fn = cached.load(std::memory_order_acquire)) return fn;
   // The loaded objects are walked in memory: dlopen("libcuda.so.1", RTLD_NOLOAD) of a driver that
   // is absent searches the library path first (ld.so.cache mapped and unmapped, four failed opens),
   // 15-18 us per call on a Zen 4 VM, and the unmap's TLB shoot-down interrupts the other threads.
+  // A process with torch has a few hundred objects loaded: the walk is skipped while the loader's
+  // counts of added and removed objects stay those of a walk that found none.
   std::array<char, kPathRoom> path;
   path[0] = 0;
-  dl_iterate_phdr(find_driver, path.data());
-  if (path[0] == 0) return nullptr;
+  driver_search search{path.data(), absent_adds.load(std::memory_order_relaxed),
+                       absent_subs.load(std::memory_order_relaxed)};
+  dl_iterate_phdr(find_driver, &search);
+  if (search.unchanged) return nullptr;
+  if (path[0] == 0) {
+    absent_adds.store(search.adds, std::memory_order_relaxed);
+    absent_subs.store(search.subs, std::memory_order_relaxed);
+    return nullptr;
+  }
   // A path of a loaded object: dlopen matches it against the loaded list, no search.
   void* handle = dlopen(path.data(), RTLD_LAZY | RTLD_NOLOAD);
   if (handle == nullptr) return nullptr;

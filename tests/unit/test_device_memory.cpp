@@ -54,6 +54,24 @@ std::string message_of(const forward_args& a, const attention_config& c) {
   return "";
 }
 
+// First in the file, so that (in the default order) the probe has already found no driver, and
+// remembered the loader's counts, when the stand-in is loaded: a driver loaded after earlier calls
+// must still be found.
+TEST(DeviceMemory, ADriverLoadedAfterEarlierCallsIsFound) {
+  call before;
+  attention_config cfg;
+  cfg.backend = backend::cpu;
+  for (int i = 0; i < 2; ++i) ASSERT_NO_THROW(attention_forward(before.a, cfg));  // no driver yet
+  mark_fn mark = fake_driver();
+  ASSERT_NE(mark, nullptr) << dlerror();
+  call c;
+  mark(c.k.data(), c.k.size() * sizeof(float), false);
+  const std::string m = message_of(c.a, cfg);
+  EXPECT_NE(m.find("argument 'k' is CUDA device memory"), std::string::npos) << m;
+  EXPECT_TRUE(c.untouched());
+  mark(nullptr, 0, false);
+}
+
 TEST(DeviceMemory, HostBackendsRefuseDevicePointers) {
   mark_fn mark = fake_driver();
   ASSERT_NE(mark, nullptr) << dlerror();

@@ -3,8 +3,9 @@
 // The API cannot tell from a tensor_view whether its data is host or device memory, and a CPU
 // kernel that dereferences a device pointer crashes. This probe asks the CUDA driver, but only
 // when the driver is already loaded into the process: device memory cannot exist otherwise, so a
-// process that never touched CUDA pays one walk of its loaded objects per call (dl_iterate_phdr, no
-// system call) and never loads a driver.
+// process that never touched CUDA pays a look at the loader's counts of loaded objects per call
+// (dl_iterate_phdr, no system call; a walk of the objects when they changed) and never loads a
+// driver.
 // It works the same in builds with and without the CUDA backend.
 #pragma once
 

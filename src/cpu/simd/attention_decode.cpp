@@ -389,7 +389,9 @@ class decode_pass : public kernel<T> {
   /// transposing tree over vectors stored to scratch (fewer instructions), read the cache more
   /// slowly from memory: GQA 32:8, fp32, Lk = 65536, Zen 4, AVX-512, one thread 54-56 against
   /// 42-43 ms, two threads 28.3 against 24.6 ms (a plain sweep: 22.8); AVX2 and L2-resident steps
-  /// the same either way.
+  /// the same either way. On AVX-512 with Q held in registers, keys go 8 / R at a time, one chain
+  /// per (row, key) (the keys' chains are independent), and their eight vectors are summed by one
+  /// tree in registers right after (store_sums8); the keys left over go one at a time.
   /// A key's row is read whole before the next key's, so the loads run in address order:
   /// interleaving the rows of a few keys (more independent FMA chains) made the hardware prefetcher
   /// lose the stream, 19 against 30 GB/s on one Zen 5 core. NV: vectors per row (0: d / lanes at
@@ -1013,8 +1015,9 @@ class decode_pass : public kernel<T> {
   /// exp_kept for a direct tile, whose V rows come straight from the cache: masked keys (-inf) are
   /// first dropped from the @p kept slots rather than given weight 0 against a row that may hold
   /// anything (those at the end cut off, any others by a scalar pass: Highway 1.0.3's
-  /// CompressStore is slow on AVX2, see compact), then the exponentials replace the scores in place, the key indices
-  /// left as they are. @p live gets the slots left. Returns the sum of the exponentials.
+  /// CompressStore is slow on AVX2, see compact), then the exponentials replace the scores in
+  /// place, the key indices left as they are. @p live gets the slots left. Returns the sum of the
+  /// exponentials.
   template <bool Split>
   HWY_INLINE float exp_live(float* cv, std::int32_t* ci, int kept, float mx, int& live) const {
     const DF d;

@@ -53,7 +53,9 @@ struct shape {
 /// Shapes of a decode step: one row and speculative drafts (Lq up to 5), caches of 1 to 4099 keys
 /// (1000 and 4099 split into several chunks; none a multiple of a tile or of M), GQA (8 / 2), MQA
 /// (4 / 1) and MHA, key lengths with a 0 and ends inside a group of 4, d = 128, an odd d, and
-/// d = 256 (on AVX-512 a Q K^T block of one row: eight keys per sum of lanes, store_sums8).
+/// d = 256 (on AVX-512 a Q K^T block of one row: eight keys per sum of lanes, store_sums8), and an
+/// odd number of rows per kv head at d = 128 (group 3 times 3 drafts: the key-major P V's passes of
+/// whole rows end with a pass of one row).
 std::vector<shape> decode_shapes() {
   return {
       {1, 1, 1, 1, 1, 8, false, false, {}},
@@ -64,6 +66,7 @@ std::vector<shape> decode_shapes() {
       {2, 5, 4099, 8, 2, 64, false, false, {4099, 2053}},
       {1, 1, 4099, 2, 2, 128, false, false, {}},
       {1, 2, 300, 4, 2, 256, false, false, {300}},
+      {1, 3, 700, 6, 2, 128, false, false, {}},
   };
 }
 

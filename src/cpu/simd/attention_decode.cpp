@@ -100,6 +100,9 @@ inline constexpr int kKeyMajorAccumulators = 8;
 #else
 inline constexpr int kKeyMajorAccumulators = 16;
 #endif
+/// Whether key_major_accumulate reads a whole tile's V rows straight from memory in passes of
+/// whole rows (measured on AVX-512 only; see there), instead of touching each block first.
+inline constexpr bool kKeyMajorStreamsRows = HWY_TARGET <= HWY_AVX3 && !HWY_HAVE_SCALABLE;
 
 #if HWY_TARGET <= HWY_AVX3
 /// The lane sums of eight 16-lane vectors, v[i]'s at key i % G of row i / G of s (row stride
@@ -794,13 +797,49 @@ class decode_pass : public kernel<T> {
     const std::int64_t acc_floats = static_cast<std::int64_t>(rows_) * dp_;
     std::copy(ws.acc.ptr, ws.acc.ptr + acc_floats, ws.acc_saved.ptr);
     const int nv = dp_ / lanes_;
+    // Whole rows: on AVX-512, where a block of rows holds a whole V row per row in its
+    // accumulators (d <= 128), a whole tile's V is read by the FMAs themselves, row after row in
+    // address order, the first block of rows from memory and the others from L1, with no touch
+    // first. Touching a block's rows and then computing from L1 left the memory idle while the
+    // block was computed: GQA 32:8, fp32, Lk = 16384, 2 Zen 4 threads, against a stand-alone
+    // loop of the same dot products and P V on the same cache in the same process, 0.85-0.87 ->
+    // 0.89-0.90 of its rate (9 interleaved rounds). A bf16 cache keeps the touch: its P V
+    // (vdpbf16ps, 4 rows per pass) is bound by compute, and passes of 2 rows read straight from
+    // memory measured slower (0.87 -> 0.78 of the sweep).
+    const int rows_per_pass = kKeyMajorStreamsRows && whole_tile && nv <= 8 ? kKeyMajorAccumulators / nv : 0;
+    bool streamed = rows_per_pass >= 1;
+#if DFSS_SIMD_BF16_DOT
+    if constexpr (std::is_same_v<T, bfloat16>) streamed = streamed && !dot_;
+#endif
     for (int k0 = 0; k0 < nu; k0 += kKeyMajorBlock) {
       const int n = std::min(kKeyMajorBlock, nu - k0);
-      // The block's V rows touched whole, in address order: the column slices below then read them
-      // from L1. Slices straight from memory (one 64-byte line of each 512-byte row at a time on
-      // AVX2, four on AVX-512) lost the hardware prefetcher's stream: GQA 32:8, fp32, one Zen 4
-      // thread, AVX2 15.4 -> 9.2 ms, AVX-512 12.3-15.1 -> 9.8-12.8 ms (a noisy hour).
-      touch_rows(ws, v, step, n, [ukeys, k0](int k) { return ukeys[k0 + k]; });
+      if (streamed) {
+        for (int r0 = 0; r0 < rows_;) {
+          const int left = std::min(rows_ - r0, rows_per_pass);
+          const int rr = left >= 4 ? 4 : (left >= 2 ? 2 : 1);
+          float* acc = ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_;
+          const float* wt = weights + static_cast<std::int64_t>(r0) * wstride;
+          const auto key = [k0](int k) { return k0 + k; };
+          with_column_vectors(nv, [&](auto cv) {
+            constexpr int C = decltype(cv)::value;
+            if (rr == 4) {
+              add_keys_to_rows<4, C>(acc, wt, wstride, key, n, v, step);
+            } else if (rr == 2) {
+              add_keys_to_rows<2, C>(acc, wt, wstride, key, n, v, step);
+            } else {
+              add_keys_to_rows<1, C>(acc, wt, wstride, key, n, v, step);
+            }
+          });
+          r0 += rr;
+        }
+        continue;
+      }
+      const auto key = [ukeys, k0](int k) { return ukeys[k0 + k]; };
+      // Otherwise the block's V rows are touched whole, in address order, and the column slices
+      // below read them from L1. Slices straight from memory (one 64-byte line of each 512-byte
+      // row at a time on AVX2, four on AVX-512) lost the hardware prefetcher's stream: GQA 32:8,
+      // fp32, one Zen 4 thread, AVX2 15.4 -> 9.2 ms, AVX-512 12.3-15.1 -> 9.8-12.8 ms (a noisy hour).
+      touch_rows(ws, v, step, n, key);
 #if DFSS_SIMD_BF16_DOT
       if constexpr (std::is_same_v<T, bfloat16>) {
         if (dot_) {
@@ -827,11 +866,11 @@ class decode_pass : public kernel<T> {
           with_column_vectors(std::min(cmax, nv - c), [&](auto cv) {
             constexpr int C = decltype(cv)::value;
             if (rr == 4) {
-              add_keys_to_rows<4, C>(acc, wt, wstride, ukeys + k0, n, base, step);
+              add_keys_to_rows<4, C>(acc, wt, wstride, key, n, base, step);
             } else if (rr == 2) {
-              add_keys_to_rows<2, C>(acc, wt, wstride, ukeys + k0, n, base, step);
+              add_keys_to_rows<2, C>(acc, wt, wstride, key, n, base, step);
             } else {
-              add_keys_to_rows<1, C>(acc, wt, wstride, ukeys + k0, n, base, step);
+              add_keys_to_rows<1, C>(acc, wt, wstride, key, n, base, step);
             }
           });
         }
@@ -876,29 +915,29 @@ class decode_pass : public kernel<T> {
     return ok;
   }
 
-  /// acc row r (stride dp), columns [0, C vectors) += sum over the @p n keys t = keys[k] of
-  /// wt[r * wstride + t] * V row t (at base + t * step), for R rows.
-  template <int R, int C>
+  /// acc row r (stride dp), columns [0, C vectors) += sum over the @p n keys t = key(k), k in
+  /// increasing order, of wt[r * wstride + t] * V row t (at base + t * step), for R rows.
+  template <int R, int C, typename Key>
   HWY_INLINE void add_keys_to_rows(float* HWY_RESTRICT acc, const float* HWY_RESTRICT wt, std::int64_t wstride,
-                                   const std::int32_t* HWY_RESTRICT keys, int n, const T* HWY_RESTRICT base,
-                                   std::int64_t step) const {
+                                   const Key& key, int n, const T* HWY_RESTRICT base, std::int64_t step) const {
     const DF d;
+    constexpr std::int64_t L = static_cast<std::int64_t>(hn::MaxLanes(DF()));  // fixed-width targets only
     VF a[R][C];
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < C; ++c) a[r][c] = hn::Load(d, acc + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
+      for (int c = 0; c < C; ++c) a[r][c] = hn::Load(d, acc + r * dp_ + c * L);
     }
     for (int k = 0; k < n; ++k) {
-      const std::int32_t t = keys[k];
+      const std::int64_t t = key(k);
       const T* src = base + t * step;
       VF x[C];
-      for (int c = 0; c < C; ++c) x[c] = this->load_value(src + c * lanes_);
+      for (int c = 0; c < C; ++c) x[c] = this->load_value(src + c * L);
       for (int r = 0; r < R; ++r) {
-        const VF w = hn::Set(d, wt[static_cast<std::int64_t>(r) * wstride + t]);
+        const VF w = hn::Set(d, wt[r * wstride + t]);
         for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(w, x[c], a[r][c]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < C; ++c) hn::Store(a[r][c], d, acc + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
+      for (int c = 0; c < C; ++c) hn::Store(a[r][c], d, acc + r * dp_ + c * L);
     }
   }
 

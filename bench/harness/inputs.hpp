@@ -57,6 +57,17 @@ struct input_tensor {
     }
   }
   std::size_t bytes() const { return f32.size() * 4 + f16.size() * 2 + b16.size() * 2; }
+  /// @brief The first of the bytes() bytes of the values.
+  const void* data() const {
+    switch (type) {
+      case dtype::f16:
+        return f16.data();
+      case dtype::bf16:
+        return b16.data();
+      default:
+        return f32.data();
+    }
+  }
 };
 
 }  // namespace dfss::harness

@@ -12,6 +12,13 @@
 // the bottom-right mask explicitly for Lq > 1 (its is_causal is top-left), with enable_gqa=True.
 // GB/s = dense K + V bytes / median time, for every row (so for the sparse rows it is a
 // dense-equivalent rate: they read all of K but only the kept rows of V).
+//
+// The sweep reads the cache itself (the bytes of K, then of V, each thread a contiguous share), so
+// that it measures the rate at which this machine reads the very memory the decode reads. A second
+// sweep, over a buffer of the same size allocated after the cache, is kept as a row for the record:
+// on the 2-core Zen 4 machine of docs/benchmarks.md, of six identical buffers swept round-robin in
+// one process the first allocated read 10-30% slower than the others, in every run and in either
+// sweep order, so a yardstick on other memory than the cache's can be off by that much.
 #include <omp.h>
 #include <unistd.h>
 
@@ -30,6 +37,10 @@ namespace {
 /// Longest cache checked against the fp64 reference: its copy of K and V in fp64 is 4x the fp32 cache
 /// (2 GiB at Lk = 16384 with 32 kv heads), and longer caches add no new code path.
 constexpr long long kDecodeRefKeys = 16384;
+
+/// The yardstick row (a sweep of the cache itself) and the sweep of another buffer beside it.
+constexpr const char* kSweepRow = "memory sweep";
+constexpr const char* kOtherSweepRow = "memory sweep, other";
 
 struct decode_config {
   long long lk = 0, heads = 0, heads_kv = 0;
@@ -65,9 +76,24 @@ std::pair<long long, long long> parse_heads(const std::string& s) {
   return {h, hkv};
 }
 
-/// The read-only sweep: every thread sums its contiguous share of @p words 64-bit words (four
+/// A part of the memory a sweep reads: its first byte and its whole 64-bit words.
+struct sweep_part {
+  const unsigned char* bytes;
+  std::size_t words;
+};
+
+/// The 64-bit word @p i of @p p (memcpy: the bytes may hold floats; compiled to one load).
+inline std::uint64_t word_at(const unsigned char* p, std::size_t i) {
+  std::uint64_t w;
+  std::memcpy(&w, p + i * 8, sizeof w);
+  return w;
+}
+
+/// The read-only sweep: the parts' words in order, every thread summing its contiguous share (four
 /// independent accumulators, so the loop is bound by the loads, not by an add chain).
-std::uint64_t sweep(const std::uint64_t* words, std::size_t n, int threads) {
+std::uint64_t sweep(const std::vector<sweep_part>& parts, int threads) {
+  std::size_t n = 0;
+  for (const auto& p : parts) n += p.words;
   std::uint64_t total = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
   {
@@ -75,14 +101,21 @@ std::uint64_t sweep(const std::uint64_t* words, std::size_t n, int threads) {
     const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
     const std::size_t begin = n * t / nt, end = n * (t + 1) / nt;
     std::uint64_t a = 0, b = 0, c = 0, d = 0;
-    std::size_t i = begin;
-    for (; i + 4 <= end; i += 4) {
-      a += words[i];
-      b += words[i + 1];
-      c += words[i + 2];
-      d += words[i + 3];
+    std::size_t first = 0;  // the part's first word in the whole
+    for (const auto& p : parts) {
+      // This thread's words of the part: [lo, hi) of the whole, [i, last) of the part.
+      const std::size_t lo = std::max(begin, first), hi = std::min(end, first + p.words);
+      std::size_t i = lo - first;
+      const std::size_t last = hi > lo ? hi - first : i;
+      for (; i + 4 <= last; i += 4) {
+        a += word_at(p.bytes, i);
+        b += word_at(p.bytes, i + 1);
+        c += word_at(p.bytes, i + 2);
+        d += word_at(p.bytes, i + 3);
+      }
+      for (; i < last; ++i) a += word_at(p.bytes, i);
+      first += p.words;
     }
-    for (; i < end; ++i) a += words[i];
     total += a + b + c + d;
   }
   return total;
@@ -117,9 +150,15 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
   a.v = cache_view(v);
   const double kv_bytes = static_cast<double>(k.bytes() + v.bytes());
 
-  // The bandwidth buffer: the size of K + V, written once (pages faulted in) before timing.
+  // The yardstick sweeps the cache's own K and V; the other buffer (the size of K + V, written
+  // once so that its pages are faulted in) is swept beside it for the record (see the top).
+  const std::vector<sweep_part> cache_parts = {
+      {static_cast<const unsigned char*>(k.data()), k.bytes() / 8},
+      {static_cast<const unsigned char*>(v.data()), v.bytes() / 8}};
   std::vector<std::uint64_t> buffer(static_cast<std::size_t>(kv_bytes) / 8);
   for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = i * 0x9E3779B97F4A7C15ull;
+  const std::vector<sweep_part> buffer_parts = {
+      {reinterpret_cast<const unsigned char*>(buffer.data()), buffer.size()}};
   std::uint64_t sink = 0;
 
   struct run {
@@ -151,16 +190,20 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
     }
     runs.push_back(std::move(s));
   }
-  std::vector<double> sweep_ms;
-  sink += sweep(buffer.data(), buffer.size(), g_opt.threads);  // warmup
+  std::vector<double> sweep_ms, buffer_ms;
+  sink += sweep(cache_parts, g_opt.threads);  // warmup
+  sink += sweep(buffer_parts, g_opt.threads);
   const int rounds = g_opt.iters;
   for (int it = 0; it < rounds; ++it) {
     g_progress.show(g_rows_done + 1, static_cast<int>(runs.size()) + 1,
                     "Lk=" + std::to_string(c.lk) + " " + std::to_string(c.heads) + ":" + std::to_string(c.heads_kv) +
                         " " + c.dtype + ": round " + std::to_string(it + 1) + " of " + std::to_string(rounds));
     auto t0 = std::chrono::steady_clock::now();
-    sink += sweep(buffer.data(), buffer.size(), g_opt.threads);
+    sink += sweep(cache_parts, g_opt.threads);
     sweep_ms.push_back(elapsed_ms(t0));
+    t0 = std::chrono::steady_clock::now();
+    sink += sweep(buffer_parts, g_opt.threads);
+    buffer_ms.push_back(elapsed_ms(t0));
     for (auto& s : runs) {
       if (!s->r.ok) continue;
       a.out = make_view(s->out.data(), {B, Lq, H, d});
@@ -175,16 +218,20 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
   }
   g_rows_done += static_cast<int>(runs.size()) + 1;
 
-  decode_row bw;
-  bw.c = c;
-  bw.what = "memory sweep";
-  bw.kernel = "read " + std::to_string(static_cast<long long>(kv_bytes / 1048576.0)) + " MiB (checksum " +
-              std::to_string(sink % 1000) + ")";
-  bw.ok = true;
-  bw.ms = summarize(sweep_ms);
-  bw.iters = static_cast<int>(sweep_ms.size());
-  bw.gbs = kv_bytes / (bw.ms.median * 1e6);
-  rows.push_back(bw);
+  const auto sweep_row = [&](const char* what, const std::vector<double>& ms) {
+    decode_row bw;
+    bw.c = c;
+    bw.what = what;
+    bw.kernel = "read " + std::to_string(static_cast<long long>(kv_bytes / 1048576.0)) + " MiB (checksum " +
+                std::to_string(sink % 1000) + ")";
+    bw.ok = true;
+    bw.ms = summarize(ms);
+    bw.iters = static_cast<int>(ms.size());
+    bw.gbs = kv_bytes / (bw.ms.median * 1e6);
+    rows.push_back(bw);
+  };
+  sweep_row(kSweepRow, sweep_ms);
+  sweep_row(kOtherSweepRow, buffer_ms);
 
   // fp64 reference of every output (Lq rows are few), for caches up to kDecodeRefKeys keys.
   const bool check = !g_opt.no_ref && Lk <= kDecodeRefKeys;
@@ -350,13 +397,15 @@ int run_decode() {
   if (!g_opt.no_torch) bench_decode_torch(configs, rows, notes);
   g_progress.done();
 
-  // Ratios within each configuration: against its memory sweep, SDPA and dfss dense.
+  // Ratios within each configuration: against its memory sweep (the other buffer's sweep too, which
+  // shows how far another part of memory reads apart), SDPA and dfss dense.
   for (decode_row& r : rows) {
     if (!r.ok) continue;
-    if (r.what == "memory sweep") continue;  // the yardstick itself: no ratios
+    if (r.what == kSweepRow) continue;  // the yardstick itself: no ratios
     for (const decode_row& o : rows) {
       if (!o.ok || !same_config(o.c, r.c)) continue;
-      if (o.what == "memory sweep") r.of_bandwidth = r.gbs / o.gbs;
+      if (o.what == kSweepRow) r.of_bandwidth = r.gbs / o.gbs;
+      if (r.what == kOtherSweepRow) continue;  // a yardstick too: no ratios but to the cache's sweep
       if (o.what.rfind("torch", 0) == 0) r.vs_sdpa = o.ms.median / r.ms.median;
       if (o.what == "dfss dense") r.vs_dense = o.ms.median / r.ms.median;
     }
@@ -422,10 +471,12 @@ int run_decode() {
   std::printf(
       "\nGB/s = dense K + V bytes of the cache / median time (the sparse rows read all of K but only the kept\n"
       "rows of V, so theirs is a dense-equivalent rate); %% of bw = against the memory sweep of the same\n"
-      "configuration (a read-only pass over a buffer of the size of K + V with the same threads, timed\n"
-      "round-robin with the dfss rows); vs SDPA = SDPA median / row median (> 1: faster than SDPA); vs dense =\n"
-      "dfss dense median / row median; max err = max |out - fp64 reference| over every output, for caches up to\n"
-      "%lld keys (torch: vs float64 of the same math, every length).\n",
+      "configuration (a read-only pass over the cache's own K and V with the same threads, timed round-robin\n"
+      "with the dfss rows; 'memory sweep, other' is the same pass over a buffer of that size allocated after\n"
+      "the cache, its %% of bw the rate of that other memory against the cache's); vs SDPA = SDPA median /\n"
+      "row median (> 1: faster than SDPA); vs dense = dfss dense median / row median; max err = max |out -\n"
+      "fp64 reference| over every output, for caches up to %lld keys (torch: vs float64 of the same math,\n"
+      "every length).\n",
       kDecodeRefKeys);
   return kExitOk;
 }

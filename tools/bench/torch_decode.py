@@ -10,8 +10,9 @@ Per (cache length Lk, heads H:Hkv, cache dtype): q [B, H, Lq, d], k and v [B, Hk
 F.scaled_dot_product_attention(q, k, v, enable_gqa=True) under torch.inference_mode. SDPA aligns
 is_causal top-left, dfss bottom-right: for Lq = 1 the causal mask is a no-op and SDPA gets
 is_causal=False; for Lq > 1 (speculative drafts) it gets the bottom-right mask as an explicit boolean
-attn_mask. Timing: 2 untimed calls, then --iters timed calls (time.perf_counter), median, min, max in
-ms. The error column is the max abs difference to float64 of the same math on the same (rounded)
+attn_mask. Timing: 2 untimed calls, then --iters timed calls (time.perf_counter), each after a read
+of 128 MiB elsewhere that empties the CPU's caches (as dfss bench does before each of its calls: a
+decode step reads the cache from memory), median, min, max in ms. The error column is the max abs difference to float64 of the same math on the same (rounded)
 inputs. kv_bytes = the dense K + V bytes (GB/s = kv_bytes / time, as dfss bench computes it).
 """
 import argparse
@@ -68,6 +69,7 @@ def main(argv):
     B, Lq, d = args.batch, args.query_rows, args.head_dim
     scale = 1.0 / math.sqrt(d)
     results = []
+    flush = torch.ones(32 << 20, dtype=torch.float32)  # 128 MiB, dfss bench's kFlushBytes
     with torch.inference_mode():
         for Lk in [int(x) for x in args.lengths.split(",") if x]:
             mask = None
@@ -92,6 +94,7 @@ def main(argv):
                         out = step()
                         ms = []
                         for _ in range(args.iters):
+                            flush.sum()
                             t0 = time.perf_counter()
                             out = step()
                             ms.append((time.perf_counter() - t0) * 1e3)

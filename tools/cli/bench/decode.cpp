@@ -3,8 +3,9 @@
 // types (--decode-dtypes, default f32 and bf16). Rows: dfss dense, DFSS 1:2 and 2:4 (the selector's
 // decode kernel), PyTorch 2.x SDPA on a cache of the same shape, type and layout
 // (tools/bench/torch_decode.py, a child process with the same threads), and the machine's memory
-// bandwidth: a read-only sweep over a buffer of the size of K + V with the same threads, timed
-// round-robin with the dfss rows of the configuration so that it sees the same machine.
+// bandwidth: a read-only sweep over the cache's K and V with the same threads, timed round-robin
+// with the dfss rows of the configuration so that it sees the same machine, every timed call after
+// a read of kFlushBytes elsewhere so that each one reads the cache from memory.
 //
 // The cache is laid out [B, Hkv, Lk, d] (Hugging Face's KV cache, SDPA's layout); dfss reads it
 // through strided [B, Lk, Hkv, d] views, no copy. The causal flag is set (bottom-right: a no-op for
@@ -33,6 +34,13 @@
 
 namespace dfss::cli::bench {
 namespace {
+
+/// Bytes read before every timed call (a sweep or a dfss row) to push the cache out of the CPU's
+/// caches: a decode step reads each layer's cache once per token, from memory, while a cache of
+/// 16-128 MiB (4096 keys) timed right after the previous call would be read partly from the last
+/// level (32 MiB on the Zen 3 and Zen 4 parts we run on; a cache sweep timed right after the dfss
+/// rows read a 16 MiB cache at 63 against 29 GB/s). Four times that, so that it is gone.
+constexpr std::size_t kFlushBytes = std::size_t{128} << 20;
 
 /// Longest cache checked against the fp64 reference: its copy of K and V in fp64 is 4x the fp32 cache
 /// (2 GiB at Lk = 16384 with 32 kv heads), and longer caches add no new code path.
@@ -159,6 +167,9 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
   for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = i * 0x9E3779B97F4A7C15ull;
   const std::vector<sweep_part> buffer_parts = {
       {reinterpret_cast<const unsigned char*>(buffer.data()), buffer.size()}};
+  std::vector<std::uint64_t> flush(kFlushBytes / 8);
+  for (std::size_t i = 0; i < flush.size(); ++i) flush[i] = i;
+  const std::vector<sweep_part> flush_parts = {{reinterpret_cast<const unsigned char*>(flush.data()), flush.size()}};
   std::uint64_t sink = 0;
 
   struct run {
@@ -198,15 +209,18 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
     g_progress.show(g_rows_done + 1, static_cast<int>(runs.size()) + 1,
                     "Lk=" + std::to_string(c.lk) + " " + std::to_string(c.heads) + ":" + std::to_string(c.heads_kv) +
                         " " + c.dtype + ": round " + std::to_string(it + 1) + " of " + std::to_string(rounds));
+    sink += sweep(flush_parts, g_opt.threads);
     auto t0 = std::chrono::steady_clock::now();
     sink += sweep(cache_parts, g_opt.threads);
     sweep_ms.push_back(elapsed_ms(t0));
+    sink += sweep(flush_parts, g_opt.threads);
     t0 = std::chrono::steady_clock::now();
     sink += sweep(buffer_parts, g_opt.threads);
     buffer_ms.push_back(elapsed_ms(t0));
     for (auto& s : runs) {
       if (!s->r.ok) continue;
       a.out = make_view(s->out.data(), {B, Lq, H, d});
+      sink += sweep(flush_parts, g_opt.threads);
       t0 = std::chrono::steady_clock::now();
       const status st = try_attention_forward(a, s->cfg);
       s->ms.push_back(elapsed_ms(t0));
@@ -379,7 +393,7 @@ int run_decode() {
               info.compiler.c_str());
   std::printf(
       "run: one decode step, B=%lld, Lq=%lld, d=%lld, causal (bottom-right), cache [B, Hkv, Lk, d] random normal, "
-      "%d threads, median of %d calls (round-robin with the memory sweep)\n",
+      "%d threads, median of %d calls (round-robin with the memory sweep, each after a 128 MiB read elsewhere)\n",
       g_opt.batch, g_opt.query_rows, g_opt.head_dim, g_opt.threads, g_opt.iters);
   std::printf("load average at start: %s\n", load_average().c_str());
   std::printf("repro: dfss bench --decode --lengths %s --decode-heads %s --decode-dtypes %s --patterns %s "
@@ -472,7 +486,8 @@ int run_decode() {
       "\nGB/s = dense K + V bytes of the cache / median time (the sparse rows read all of K but only the kept\n"
       "rows of V, so theirs is a dense-equivalent rate); %% of bw = against the memory sweep of the same\n"
       "configuration (a read-only pass over the cache's own K and V with the same threads, timed round-robin\n"
-      "with the dfss rows; 'memory sweep, other' is the same pass over a buffer of that size allocated after\n"
+      "with the dfss rows, each call after a read of 128 MiB elsewhere that empties the CPU's caches;\n"
+      "'memory sweep, other' is the same pass over a buffer of that size allocated after\n"
       "the cache, its %% of bw the rate of that other memory against the cache's); vs SDPA = SDPA median /\n"
       "row median (> 1: faster than SDPA); vs dense = dfss dense median / row median; max err = max |out -\n"
       "fp64 reference| over every output, for caches up to %lld keys (torch: vs float64 of the same math,\n"

@@ -723,11 +723,22 @@ class decode_pass : public kernel<T> {
       const float* cv = slot_val(ws, parity, r);
       const std::int32_t* ci = slot_idx(ws, parity, r);
       float* acc = ws.acc.ptr + static_cast<std::int64_t>(r) * dp_;
+      // A row that kept every key of the tile (a dense pattern, no mask inside it) has the keys in
+      // order as its slots, so its rows are addressed from the key itself, not through the slot's
+      // index: MHA dense, fp32, Lk = 16384, 2 Zen 4 threads, against a stand-alone loop of the same
+      // arithmetic in the same process, 0.90-0.94 -> 1.02-1.03 of its rate (7 interleaved rounds;
+      // with the index, each row's address waits for a load and a multiply).
+      const bool every_key = dense_ && n == ws.tile_keys[parity];
       for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
         const T* base = v + row0 + c0;
-        const auto row = [base, step, ci](int k) { return base + ci[k] * step; };
-        with_column_vectors((dp_ - c0) / lanes_,
-                            [&](auto nv) { add_cache_rows<decltype(nv)::value>(acc + c0, n, cv, row); });
+        with_column_vectors((dp_ - c0) / lanes_, [&](auto nv) {
+          constexpr int C = decltype(nv)::value;
+          if (every_key) {
+            add_keys_to_rows<1, C>(acc + c0, cv, 0, [](int k) { return k; }, n, base, step);
+          } else {
+            add_cache_rows<C>(acc + c0, n, cv, [base, step, ci](int k) { return base + ci[k] * step; });
+          }
+        });
       }
     }
 #else
@@ -945,14 +956,15 @@ class decode_pass : public kernel<T> {
   template <int NV, typename Row>
   HWY_INLINE void add_cache_rows(float* HWY_RESTRICT acc, int n, const float* HWY_RESTRICT wt, const Row& row) const {
     const DF d;
+    constexpr std::int64_t L = static_cast<std::int64_t>(hn::MaxLanes(DF()));  // fixed-width targets only
     VF a[NV];
-    for (int x = 0; x < NV; ++x) a[x] = hn::Load(d, acc + x * lanes_);
+    for (int x = 0; x < NV; ++x) a[x] = hn::Load(d, acc + x * L);
     for (int k = 0; k < n; ++k) {
       const T* src = row(k);
       const VF w = hn::Set(d, wt[k]);
-      for (int x = 0; x < NV; ++x) a[x] = hn::MulAdd(w, this->load_value(src + x * lanes_), a[x]);
+      for (int x = 0; x < NV; ++x) a[x] = hn::MulAdd(w, this->load_value(src + x * L), a[x]);
     }
-    for (int x = 0; x < NV; ++x) hn::Store(a[x], d, acc + x * lanes_);
+    for (int x = 0; x < NV; ++x) hn::Store(a[x], d, acc + x * L);
   }
 #endif
 

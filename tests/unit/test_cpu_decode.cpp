@@ -360,6 +360,35 @@ TEST(CpuDecode, NonFiniteValuesKeptByOneHeadOfAGroup) {
   }
 }
 
+TEST(CpuDecode, NonFiniteValuesPrunedByASingleRow) {
+  // One row per kv head (MHA, Lq = 1) that kept half its tile or more (1:2, 2:4) reads every V row
+  // of the tile with weight 0 for the keys it pruned; 0 * inf is NaN, so a pruned V row holding inf
+  // or NaN must not reach the row. 24 heads, 20 of them with +inf, -inf or NaN at one key each:
+  // each head keeps that key or not (about half of them each way; the asserts below fail for
+  // 2^-20 of the seeds), and a row is NaN or inf iff it kept it.
+  std::mt19937_64 rng(test_seed() + 107);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
+    shape s{1, 1, 1500, 24, 24, 64, false, false, {}};
+    problem pr = make_problem(s, pat, rng, /*integers=*/true);
+    const double bad[] = {inf, -inf, std::numeric_limits<double>::quiet_NaN()};
+    for (std::int64_t h = 0; h < 20; ++h) {
+      const std::int64_t j = 100 + 67 * h;  // keys in several tiles and chunks
+      pr.v[static_cast<std::size_t>((j * pr.Hkv + h) * pr.d + h % pr.d)] = bad[h % 3];
+    }
+    const auto want = run_forward(pr);
+    std::size_t finite_rows = 0, bad_rows = 0;
+    for (std::int64_t h = 0; h < 20; ++h) {
+      bool finite = true;
+      for (std::int64_t c = 0; c < pr.d; ++c) finite = finite && std::isfinite(want.o[static_cast<std::size_t>(h * pr.d + c)]);
+      ++(finite ? finite_rows : bad_rows);
+    }
+    ASSERT_GT(finite_rows, 0u) << pat.n << ":" << pat.m;  // a head pruned its non-finite value
+    ASSERT_GT(bad_rows, 0u) << pat.n << ":" << pat.m;
+    expect_matches_on_every_isa(pr, want, /*check_lse=*/false);
+  }
+}
+
 /// Shapes the fused forward splits over key chunks (Lq > kDecodeMaxQueryRows, fewer than 32 row
 /// tasks of 32 query rows, Lk >= 2048): 2 to 8 chunks of whole key tiles; key lengths ending inside
 /// a chunk and a group, and 0; causal rows with Lq < Lk; GQA and MHA; a bias; an odd d.

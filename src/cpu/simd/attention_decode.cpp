@@ -708,14 +708,19 @@ class decode_pass : public kernel<T> {
     const T* v = static_cast<const T*>(p_.v);
     const std::int64_t row0 = core::offset4(p_.v_stride, b, j0, hk, 0), step = p_.v_stride[1];
     if (rows_ >= 2 && key_major_accumulate(ws, parity, v + row0, step)) return;
-    if (!dense_ && sizeof(T) == 2) {
+    const int keys = ws.tile_keys[parity];
+    // A row that kept at least half the tile reads all of it (below); the others read their kept
+    // rows only.
+    bool some_by_index = false;
+    for (int r = 0; r < rows_; ++r) some_by_index = some_by_index || 2 * ws.kept.ptr[parity * rows_mk_ + r] < keys;
+    if (!dense_ && sizeof(T) == 2 && some_by_index) {
       // A 16-bit cache's V tile is first read whole, in address order, one load per cache line
       // (OR-ed into a value nobody uses), then the kept rows from L1. The hardware prefetcher
       // fetches the pruned rows between kept ones anyway, so this costs no memory traffic, but it
       // keeps the stream ascending: on one Zen 5 core (bf16, d = 128, Lk = 16384, MHA) 1:2 went from
       // 14.2 to 12.1 ms and 2:4 from 15.8 to 11.3 ms (2 threads: 7.5 to 6.4 and 8.8 to 6.5), where
       // dense takes 9.7 (5.1). fp32 caches measured no gain (d = 64 and 128): they skip this.
-      touch_rows(ws, v + row0, step, ws.tile_keys[parity], [](int t) { return t; });
+      touch_rows(ws, v + row0, step, keys, [](int t) { return t; });
     }
     for (int r = 0; r < rows_; ++r) {
       const int n = ws.kept.ptr[parity * rows_mk_ + r];
@@ -727,17 +732,42 @@ class decode_pass : public kernel<T> {
       // order as its slots, so its rows are addressed from the key itself, not through the slot's
       // index: MHA dense, fp32, Lk = 16384, 2 Zen 4 threads, against a stand-alone loop of the same
       // arithmetic in the same process, 0.90-0.94 -> 1.02-1.03 of its rate (7 interleaved rounds;
-      // with the index, each row's address waits for a load and a multiply).
-      const bool every_key = dense_ && n == ws.tile_keys[parity];
+      // with the index, each row's address waits for a load and a multiply). A row that kept at
+      // least half the tile (1:2, 2:4) reads every row of it the same way, with weight 0 for the
+      // keys it did not keep: the hardware prefetcher fetches the pruned rows anyway, so this costs
+      // FMAs but no memory traffic. Same measure, 1:2 0.97 -> 1.02 and 2:4 0.99 -> 1.01 (fp32),
+      // bf16 1:2 0.84 -> 0.95 of the cache's own sweep, dense 0.95 (it was touched and read by
+      // index). A weight of 0 is exact only against a finite V value (0 * inf is NaN): a tile
+      // whose accumulator comes out non-finite where the kept rows alone were finite is redone
+      // by index.
+      const bool every_key = dense_ && n == keys;
+      const bool whole = !every_key && 2 * n >= keys;
+      // acc += weight(t) V row t over t < count, rows addressed from the key.
+      const auto by_key = [&](const float* weight, int count) {
+        for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
+          const T* base = v + row0 + c0;
+          with_column_vectors((dp_ - c0) / lanes_, [&](auto nv) {
+            add_keys_to_rows<1, decltype(nv)::value>(acc + c0, weight, 0, [](int k) { return k; }, count, base, step);
+          });
+        }
+      };
+      if (every_key) {
+        by_key(cv, n);
+        continue;
+      }
+      if (whole) {
+        float* wr = ws.weights.ptr;
+        std::fill(wr, wr + keys, 0.0f);
+        for (int k = 0; k < n; ++k) wr[ci[k]] = cv[k];
+        std::copy(acc, acc + dp_, ws.acc_saved.ptr);
+        by_key(wr, keys);
+        if (all_finite(acc, dp_)) continue;
+        std::copy(ws.acc_saved.ptr, ws.acc_saved.ptr + dp_, acc);  // a non-finite V value: by index
+      }
       for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
         const T* base = v + row0 + c0;
         with_column_vectors((dp_ - c0) / lanes_, [&](auto nv) {
-          constexpr int C = decltype(nv)::value;
-          if (every_key) {
-            add_keys_to_rows<1, C>(acc + c0, cv, 0, [](int k) { return k; }, n, base, step);
-          } else {
-            add_cache_rows<C>(acc + c0, n, cv, [base, step, ci](int k) { return base + ci[k] * step; });
-          }
+          add_cache_rows<decltype(nv)::value>(acc + c0, n, cv, [base, step, ci](int k) { return base + ci[k] * step; });
         });
       }
     }

@@ -862,14 +862,7 @@ class decode_pass : public kernel<T> {
           const float* wt = weights + static_cast<std::int64_t>(r0) * wstride;
           const auto key = [k0](int k) { return k0 + k; };
           with_column_vectors(nv, [&](auto cv) {
-            constexpr int C = decltype(cv)::value;
-            if (rr == 4) {
-              add_keys_to_rows<4, C>(acc, wt, wstride, key, n, v, step);
-            } else if (rr == 2) {
-              add_keys_to_rows<2, C>(acc, wt, wstride, key, n, v, step);
-            } else {
-              add_keys_to_rows<1, C>(acc, wt, wstride, key, n, v, step);
-            }
+            add_keys_to_row_block<decltype(cv)::value>(rr, acc, wt, wstride, key, n, v, step);
           });
           r0 += rr;
         }
@@ -905,14 +898,7 @@ class decode_pass : public kernel<T> {
           const float* wt = weights + static_cast<std::int64_t>(r0) * wstride;
           const T* base = v + c * lanes_;
           with_column_vectors(std::min(cmax, nv - c), [&](auto cv) {
-            constexpr int C = decltype(cv)::value;
-            if (rr == 4) {
-              add_keys_to_rows<4, C>(acc, wt, wstride, key, n, base, step);
-            } else if (rr == 2) {
-              add_keys_to_rows<2, C>(acc, wt, wstride, key, n, base, step);
-            } else {
-              add_keys_to_rows<1, C>(acc, wt, wstride, key, n, base, step);
-            }
+            add_keys_to_row_block<decltype(cv)::value>(rr, acc, wt, wstride, key, n, base, step);
           });
         }
         r0 += rr;
@@ -954,6 +940,20 @@ class decode_pass : public kernel<T> {
     bool ok = hn::AllFalse(di, bad);
     for (; i < n; ++i) ok = ok && std::isfinite(x[i]);
     return ok;
+  }
+
+  /// add_keys_to_rows for @p rows (4, 2 or 1) rows.
+  template <int C, typename Key>
+  HWY_INLINE void add_keys_to_row_block(int rows, float* HWY_RESTRICT acc, const float* HWY_RESTRICT wt,
+                                        std::int64_t wstride, const Key& key, int n, const T* HWY_RESTRICT base,
+                                        std::int64_t step) const {
+    if (rows == 4) {
+      add_keys_to_rows<4, C>(acc, wt, wstride, key, n, base, step);
+    } else if (rows == 2) {
+      add_keys_to_rows<2, C>(acc, wt, wstride, key, n, base, step);
+    } else {
+      add_keys_to_rows<1, C>(acc, wt, wstride, key, n, base, step);
+    }
   }
 
   /// acc row r (stride dp), columns [0, C vectors) += sum over the @p n keys t = key(k), k in

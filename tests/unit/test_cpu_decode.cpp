@@ -328,6 +328,18 @@ TEST(CpuDecode, DirectAndPanelTilesInOneTask) {
   }
 }
 
+/// How many of the first @p rows rows of @p o (rows of @p d values) are all finite, and how many not.
+template <typename Values>
+std::pair<std::size_t, std::size_t> finite_and_bad_rows(const Values& o, std::int64_t d, std::size_t rows) {
+  std::size_t finite_rows = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    bool finite = true;
+    for (std::int64_t c = 0; c < d; ++c) finite = finite && std::isfinite(o[r * static_cast<std::size_t>(d) + static_cast<std::size_t>(c)]);
+    finite_rows += finite ? 1 : 0;
+  }
+  return {finite_rows, rows - finite_rows};
+}
+
 TEST(CpuDecode, NonFiniteValuesKeptByOneHeadOfAGroup) {
   // The direct path adds a tile's V rows to every row of the group at once, with weight 0 for a
   // row that did not keep the key; 0 * inf is NaN, so a tile whose kept V rows hold inf or NaN must
@@ -347,12 +359,7 @@ TEST(CpuDecode, NonFiniteValuesKeptByOneHeadOfAGroup) {
     pr.v[v_at(1203, 0, 60)] = -inf;
     pr.v[v_at(1201, 1, 10)] = std::numeric_limits<double>::quiet_NaN();
     const auto want = run_forward(pr);
-    std::size_t finite_rows = 0, bad_rows = 0;
-    for (std::size_t r = 0; r < want.o.size() / static_cast<std::size_t>(pr.d); ++r) {
-      bool finite = true;
-      for (std::int64_t c = 0; c < pr.d; ++c) finite = finite && std::isfinite(want.o[r * static_cast<std::size_t>(pr.d) + static_cast<std::size_t>(c)]);
-      ++(finite ? finite_rows : bad_rows);
-    }
+    const auto [finite_rows, bad_rows] = finite_and_bad_rows(want.o, pr.d, want.o.size() / static_cast<std::size_t>(pr.d));
     // Both kinds of rows must occur for the test to mean something.
     ASSERT_GT(finite_rows, 0u) << pat.n << ":" << pat.m;
     ASSERT_GT(bad_rows, 0u) << pat.n << ":" << pat.m;
@@ -377,12 +384,7 @@ TEST(CpuDecode, NonFiniteValuesPrunedByASingleRow) {
       pr.v[static_cast<std::size_t>((j * pr.Hkv + h) * pr.d + h % pr.d)] = bad[h % 3];
     }
     const auto want = run_forward(pr);
-    std::size_t finite_rows = 0, bad_rows = 0;
-    for (std::int64_t h = 0; h < 20; ++h) {
-      bool finite = true;
-      for (std::int64_t c = 0; c < pr.d; ++c) finite = finite && std::isfinite(want.o[static_cast<std::size_t>(h * pr.d + c)]);
-      ++(finite ? finite_rows : bad_rows);
-    }
+    const auto [finite_rows, bad_rows] = finite_and_bad_rows(want.o, pr.d, 20);  // the rows of heads 0-19
     ASSERT_GT(finite_rows, 0u) << pat.n << ":" << pat.m;  // a head pruned its non-finite value
     ASSERT_GT(bad_rows, 0u) << pat.n << ":" << pat.m;
     expect_matches_on_every_isa(pr, want, /*check_lse=*/false);

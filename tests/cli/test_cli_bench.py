@@ -143,6 +143,14 @@ def main():
                   "decode: %s against the cache sweep, max err %r" % (what, r["max_err"]))
         check("pass over the cache's own K and V" in p.stdout, "decode: the notes say the sweep reads the cache's own K and V")
 
+    # --decode without --lengths and --head-dim: its own defaults (4096,16384,65536 and 128), told
+    # apart from given values while the parser lived.
+    p = run(exe, ["--decode", "--decode-heads", "1:1", "--decode-dtypes", "f32", "--patterns", "dense",
+                  "--iters", "1", "--threads", "1", "--no-torch", "--no-ref"])
+    repro = [l for l in p.stdout.splitlines() if l.startswith("repro: ")]
+    check(p.returncode == 0 and len(repro) == 1 and "--lengths 4096,16384,65536 " in repro[0] and
+          "--head-dim 128 " in repro[0], "decode: default lengths and head dim (got %r)" % (repro,))
+
     if failures:
         print("%d check(s) failed" % len(failures))
         return 1

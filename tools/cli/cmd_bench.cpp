@@ -52,9 +52,9 @@ void add_bench_command(CLI::App& app) {
   bench_options& o = g_opt;
   CLI::App* c = app.add_subcommand(
       "bench", "Benchmark table: dfss patterns and algorithms vs dense vs PyTorch, sgemm yardstick");
-  g_lengths_option = c->add_option("--lengths", o.lengths, "sequence lengths (Lq = Lk), comma separated")
-                         ->delimiter(',')
-                         ->capture_default_str();
+  c->add_option("--lengths", o.lengths, "sequence lengths (Lq = Lk), comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
   c->add_option("--patterns", o.patterns, "N:M patterns (dense = 1:1)")
       ->delimiter(',')
       ->capture_default_str();
@@ -67,7 +67,7 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--batch", o.batch, "batch size")->capture_default_str();
   c->add_option("--heads", o.heads, "attention heads")->capture_default_str();
-  g_head_dim_option = c->add_option("--head-dim", o.head_dim, "head dimension (--decode: default 128)")->capture_default_str();
+  c->add_option("--head-dim", o.head_dim, "head dimension (--decode: default 128)")->capture_default_str();
   c->add_option("--threads", o.threads, "threads for dfss, torch and OpenBLAS (0: all)")
       ->capture_default_str();
   c->add_option("--dtype", o.dtype_name,
@@ -119,6 +119,12 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   c->add_flag("--causal", o.causal,
               "causal mask (prefill; Lq = Lk so bottom-right = top-left): dfss causal, SDPA is_causal=True");
+  // Runs at the end of the parse, while the options still exist (run_bench comes after the parser
+  // is gone: a pointer to an option kept until then was read after it was freed).
+  c->callback([c, &o] {
+    o.lengths_given = c->count("--lengths") > 0;
+    o.head_dim_given = c->count("--head-dim") > 0;
+  });
 }
 
 int run_bench() {
@@ -130,15 +136,14 @@ int run_bench() {
       return kExitBadInput;
     }
     // The backward sweep stops at 2048 by default (it is 3 to 4 times slower per length than the forward).
-    if (o.backward && g_lengths_option != nullptr && g_lengths_option->count() == 0)
-      o.lengths = {512, 1024, 2048};
+    if (o.backward && !o.lengths_given) o.lengths = {512, 1024, 2048};
     if (o.decode) {
       if (o.backward || o.memory || o.memory_child > 0 || o.causal) {
         std::fprintf(stderr, "dfss bench: --decode cannot be combined with --backward, --memory or --causal\n");
         return kExitBadInput;
       }
-      if (g_lengths_option != nullptr && g_lengths_option->count() == 0) o.lengths = {4096, 16384, 65536};
-      if (g_head_dim_option != nullptr && g_head_dim_option->count() == 0) o.head_dim = 128;
+      if (!o.lengths_given) o.lengths = {4096, 16384, 65536};
+      if (!o.head_dim_given) o.head_dim = 128;
     }
     if (o.batch < 1 || o.heads < 1 || o.head_dim < 1 || o.memory_heads < 1 || o.warmup < 1 || o.iters < 1 ||
         o.threads < 0 || o.ref_rows < 0 || o.lengths.empty() || o.patterns.empty() || o.algorithms.empty() ||

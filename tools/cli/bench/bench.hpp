@@ -56,11 +56,12 @@ struct bench_options {
   long long query_rows = 1;
   // --causal: the sweep with a causal mask (prefill), SDPA with is_causal=True
   bool causal = false;
+  // Whether --lengths and --head-dim were given (--backward and --decode change their defaults),
+  // recorded while the parser lives: its options are gone when the command runs.
+  bool lengths_given = false, head_dim_given = false;
 };
 
 extern bench_options g_opt;
-extern CLI::Option* g_lengths_option;  // to tell a given --lengths from the default
-extern CLI::Option* g_head_dim_option;  // to tell a given --head-dim from the default (--decode: 128)
 
 /// --backward: the gradient error is computed on a problem of this length (or L when shorter).
 inline constexpr long long kBackwardRefLength = 256;

@@ -16,8 +16,6 @@
 namespace dfss::cli::bench {
 
 bench_options g_opt;
-CLI::Option* g_lengths_option = nullptr;  // to tell a given --lengths from the default
-CLI::Option* g_head_dim_option = nullptr;  // to tell a given --head-dim from the default
 
 /// The venv of tools/scripts/torch2-venv.sh: $DFSS_TORCH2_VENV, else
 /// ${XDG_CACHE_HOME:-$HOME/.cache}/dfss/torch2-venv (the script's default).

@@ -731,15 +731,14 @@ class decode_pass : public kernel<T> {
       // A row that kept every key of the tile (a dense pattern, no mask inside it) has the keys in
       // order as its slots, so its rows are addressed from the key itself, not through the slot's
       // index: MHA dense, fp32, Lk = 16384, 2 Zen 4 threads, against a stand-alone loop of the same
-      // arithmetic in the same process, 0.90-0.94 -> 1.02-1.03 of its rate (7 interleaved rounds;
-      // with the index, each row's address waits for a load and a multiply). A row that kept at
-      // least half the tile (1:2, 2:4) reads every row of it the same way, with weight 0 for the
-      // keys it did not keep: the hardware prefetcher fetches the pruned rows anyway, so this costs
-      // FMAs but no memory traffic. Same measure, 1:2 0.97 -> 1.02 and 2:4 0.99 -> 1.01 (fp32),
-      // bf16 1:2 0.84 -> 0.95 of the cache's own sweep, dense 0.95 (it was touched and read by
-      // index). A weight of 0 is exact only against a finite V value (0 * inf is NaN): a tile
-      // whose accumulator comes out non-finite where the kept rows alone were finite is redone
-      // by index.
+      // arithmetic in the same process, 0.89-0.94 -> 1.02-1.05 of its rate (7-round interleaved
+      // runs; with the index, each row's address waits for a load and a multiply). A row that
+      // kept at least half the tile (1:2, 2:4) reads every row of it the same way, with weight 0
+      // for the keys it did not keep: the hardware prefetcher fetches the pruned rows anyway, so
+      // this costs FMAs but no memory traffic. Against the cache's own sweep, 1:2 0.95 -> 0.98
+      // (fp32) and 0.83 -> 0.98 (bf16, whose tile was touched and then read by index), dense
+      // 0.97. A weight of 0 is exact only against a finite V value (0 * inf is NaN): a row whose
+      // accumulator comes out non-finite is redone by index, where only its kept rows count.
       const bool every_key = dense_ && n == keys;
       const bool whole = !every_key && 2 * n >= keys;
       // acc += weight(t) V row t over t < count, rows addressed from the key.

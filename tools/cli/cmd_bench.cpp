@@ -121,9 +121,9 @@ void add_bench_command(CLI::App& app) {
               "causal mask (prefill; Lq = Lk so bottom-right = top-left): dfss causal, SDPA is_causal=True");
   // Runs at the end of the parse, while the options still exist (run_bench comes after the parser
   // is gone: a pointer to an option kept until then was read after it was freed).
-  c->callback([c, &o] {
-    o.lengths_given = c->count("--lengths") > 0;
-    o.head_dim_given = c->count("--head-dim") > 0;
+  c->callback([c] {
+    g_opt.lengths_given = c->count("--lengths") > 0;
+    g_opt.head_dim_given = c->count("--head-dim") > 0;
   });
 }
 

@@ -118,8 +118,8 @@ def main():
     check(p.returncode == 0 and "[dfss bench]" not in p.stderr, "no progress line without --progress on a pipe")
     check("no torch 2.x measured" in p.stdout, "without torch the notes say how to get the SDPA peer")
 
-    # --decode: per configuration the two sweeps (the cache's own K and V, the yardstick of "% of bw",
-    # and another buffer beside it) and the dfss rows, each dfss row's fraction_of_bandwidth its GB/s
+    # --decode: per configuration the three sweeps (the cache's own K and V, the yardstick of "% of bw";
+    # another buffer beside it; K and half of V, the floor of a 1:2 step) and the dfss rows, each dfss row's fraction_of_bandwidth its GB/s
     # over the cache sweep's and its error against the fp64 reference small. Three threads: one of
     # them sweeps the end of K and the start of V.
     out = os.path.join(tmp, "decode.json")
@@ -128,20 +128,23 @@ def main():
     check(p.returncode == 0, "decode: exit status 0 (got %d)" % p.returncode)
     rows = json.load(open(out))["rows"] if p.returncode == 0 else []
     by_row = {r["row"]: r for r in rows}
-    check(sorted(by_row) == ["dfss 1:2", "dfss dense", "memory sweep", "memory sweep, other"],
-          "decode: rows are the two sweeps and the dfss rows (got %s)" % sorted(by_row))
-    if len(by_row) == 4:
+    check(sorted(by_row) == ["dfss 1:2", "dfss dense", "memory sweep", "memory sweep, K + half V", "memory sweep, other"],
+          "decode: rows are the three sweeps and the dfss rows (got %s)" % sorted(by_row))
+    if len(by_row) == 5:
         cache = by_row["memory sweep"]
         check(cache["fraction_of_bandwidth"] is None and cache["vs_dense"] is None,
               "decode: the cache sweep is the yardstick (no ratios)")
-        other = by_row["memory sweep, other"]
-        check(other["vs_dense"] is None and math.isclose(other["fraction_of_bandwidth"], other["gbs"] / cache["gbs"]),
-              "decode: the other sweep's only ratio is its rate against the cache sweep")
+        for what in ("memory sweep, other", "memory sweep, K + half V"):
+            other = by_row[what]
+            check(other["vs_dense"] is None and other["vs_sdpa"] is None and
+                  math.isclose(other["fraction_of_bandwidth"], other["gbs"] / cache["gbs"]),
+                  "decode: %s's only ratio is its rate against the cache sweep" % what)
         for what in ("dfss dense", "dfss 1:2"):
             r = by_row[what]
             check(math.isclose(r["fraction_of_bandwidth"], r["gbs"] / cache["gbs"]) and r["max_err"] < 1e-5,
                   "decode: %s against the cache sweep, max err %r" % (what, r["max_err"]))
         check("pass over the cache's own K and V" in p.stdout, "decode: the notes say the sweep reads the cache's own K and V")
+        check("one random row of every two of V" in p.stdout, "decode: the notes say what the half sweep reads")
 
     # --decode without --lengths and --head-dim: its own defaults (4096,16384,65536 and 128), told
     # apart from given values while the parser lived.

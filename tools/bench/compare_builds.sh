@@ -171,7 +171,7 @@ if decode:
                 ms.setdefault(key, {}).setdefault(side, {})[int(rnd)] = (row["ms_median"], row["fraction_of_bandwidth"])
     print("decode: median over rounds of new ms / old ms per cache, heads, Lk and row; > %.2f is flagged;" % threshold)
     print("'of sweep' = median over rounds of that side's share of its own run's memory sweep")
-    print("%-5s %6s %6s %-19s %9s %9s %7s %9s %9s %6s" % ("cache", "H:Hkv", "Lk", "row", "old ms", "new ms", "ratio",
+    print("%-5s %6s %6s %-24s %9s %9s %7s %9s %9s %6s" % ("cache", "H:Hkv", "Lk", "row", "old ms", "new ms", "ratio",
                                                        "old sweep", "new sweep", "rounds"))
     flagged = 0
     sweep = lambda what: what.startswith("memory sweep")  # the yardsticks: never flagged
@@ -186,7 +186,7 @@ if decode:
                               if all(sides[side][r][1] is not None for r in common) else "%9s" % "-")
         flag = ratio > threshold and not sweep(what)
         flagged += flag
-        print("%-5s %6s %6d %-19s %9.3f %9.3f %7.3f %s %s %6d%s" % (
+        print("%-5s %6s %6d %-24s %9.3f %9.3f %7.3f %s %s %6d%s" % (
             cache, "%d:%d" % (h, hkv), lk, what, statistics.median(sides["old"][r][0] for r in common),
             statistics.median(sides["new"][r][0] for r in common), ratio, share("old"), share("new"), len(common),
             "   SLOWER" if flag else ""))

@@ -19,7 +19,10 @@
 // sweep, over a buffer of the same size allocated after the cache, is kept as a row for the record:
 // on the 2-core Zen 4 machine of docs/benchmarks.md, of six identical buffers swept round-robin in
 // one process the first allocated read 10-30% slower than the others, in every run and in either
-// sweep order, so a yardstick on other memory than the cache's can be off by that much.
+// sweep order, so a yardstick on other memory than the cache's can be off by that much. A third
+// sweep reads all of K and one random row of every two of V (sweep_half), the least a 1:2 step
+// reads: on the Zen 3 machine it took longer than the whole cache's sweep (the hardware prefetchers
+// fetch the rows between), which is why 1:2 decode is no faster than dense there.
 #include <omp.h>
 #include <unistd.h>
 
@@ -46,9 +49,14 @@ constexpr std::size_t kFlushBytes = std::size_t{128} << 20;
 /// (2 GiB at Lk = 16384 with 32 kv heads), and longer caches add no new code path.
 constexpr long long kDecodeRefKeys = 16384;
 
-/// The yardstick row (a sweep of the cache itself) and the sweep of another buffer beside it.
+/// The yardstick row (a sweep of the cache itself), the sweep of another buffer beside it, and the
+/// floor of a 1:2 step: all of K and one row of every two of V (sweep_half).
 constexpr const char* kSweepRow = "memory sweep";
 constexpr const char* kOtherSweepRow = "memory sweep, other";
+constexpr const char* kHalfSweepRow = "memory sweep, K + half V";
+
+/// Whether @p what is one of the sweep rows (yardsticks: their only ratio is to the cache's sweep).
+bool is_sweep_row(const std::string& what) { return what.rfind(kSweepRow, 0) == 0; }
 
 struct decode_config {
   long long lk = 0, heads = 0, heads_kv = 0;
@@ -129,6 +137,39 @@ std::uint64_t sweep(const std::vector<sweep_part>& parts, int threads) {
   return total;
 }
 
+/// What a 1:2 step must read at least: the words of @p whole (K), then of @p rows (V, rows of
+/// @p row_words words) one row of every two consecutive ones, row 2 p + pick[p] (a last odd row
+/// whole), every thread a contiguous share of both, in address order. Against the sweep of the
+/// whole cache it bounds what skipping V rows can gain on this machine: the hardware prefetchers
+/// may fetch the rows between the ones read.
+std::uint64_t sweep_half(const sweep_part& whole, const sweep_part& rows, std::size_t row_words,
+                         const std::vector<unsigned char>& pick, int threads) {
+  const std::size_t n_rows = rows.words / row_words, pairs = (n_rows + 1) / 2;
+  std::uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
+    const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
+    std::uint64_t a = 0, b = 0, c = 0, d = 0;
+    const auto add = [&](const unsigned char* bytes, std::size_t i, std::size_t last) {
+      for (; i + 4 <= last; i += 4) {
+        a += word_at(bytes, i);
+        b += word_at(bytes, i + 1);
+        c += word_at(bytes, i + 2);
+        d += word_at(bytes, i + 3);
+      }
+      for (; i < last; ++i) a += word_at(bytes, i);
+    };
+    add(whole.bytes, whole.words * t / nt, whole.words * (t + 1) / nt);
+    for (std::size_t p = pairs * t / nt; p < pairs * (t + 1) / nt; ++p) {
+      const std::size_t row = std::min(2 * p + pick[p], n_rows - 1);
+      add(rows.bytes, row * row_words, (row + 1) * row_words);
+    }
+    total += a + b + c + d;
+  }
+  return total;
+}
+
 /// The dfss rows and the memory sweep of one configuration, timed round-robin.
 void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) {
   const std::int64_t B = g_opt.batch, Lq = g_opt.query_rows, d = g_opt.head_dim;
@@ -167,6 +208,11 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
   for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = i * 0x9E3779B97F4A7C15ull;
   const std::vector<sweep_part> buffer_parts = {
       {reinterpret_cast<const unsigned char*>(buffer.data()), buffer.size()}};
+  // The 1:2 floor's rows of V: one of every two, at random (K and V rows are d values; a row's
+  // words are whole for every cache type at d a multiple of 4, else the floor's rows are rounded).
+  const std::size_t row_words = std::max<std::size_t>(1, static_cast<std::size_t>(d) * (k.bytes() / kv_n) / 8);
+  std::vector<unsigned char> pick((v.bytes() / 8 / row_words + 1) / 2);
+  for (auto& x : pick) x = static_cast<unsigned char>(rng() & 1);
   std::vector<std::uint64_t> flush(kFlushBytes / 8);
   for (std::size_t i = 0; i < flush.size(); ++i) flush[i] = i;
   const std::vector<sweep_part> flush_parts = {{reinterpret_cast<const unsigned char*>(flush.data()), flush.size()}};
@@ -201,9 +247,10 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
     }
     runs.push_back(std::move(s));
   }
-  std::vector<double> sweep_ms, buffer_ms;
+  std::vector<double> sweep_ms, buffer_ms, half_ms;
   sink += sweep(cache_parts, g_opt.threads);  // warmup
   sink += sweep(buffer_parts, g_opt.threads);
+  sink += sweep_half(cache_parts[0], cache_parts[1], row_words, pick, g_opt.threads);
   const int rounds = g_opt.iters;
   for (int it = 0; it < rounds; ++it) {
     g_progress.show(g_rows_done + 1, static_cast<int>(runs.size()) + 1,
@@ -217,6 +264,10 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
     t0 = std::chrono::steady_clock::now();
     sink += sweep(buffer_parts, g_opt.threads);
     buffer_ms.push_back(elapsed_ms(t0));
+    sink += sweep(flush_parts, g_opt.threads);
+    t0 = std::chrono::steady_clock::now();
+    sink += sweep_half(cache_parts[0], cache_parts[1], row_words, pick, g_opt.threads);
+    half_ms.push_back(elapsed_ms(t0));
     for (auto& s : runs) {
       if (!s->r.ok) continue;
       a.out = make_view(s->out.data(), {B, Lq, H, d});
@@ -232,11 +283,13 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
   }
   g_rows_done += static_cast<int>(runs.size()) + 1;
 
-  const auto sweep_row = [&](const char* what, const std::vector<double>& ms) {
+  // GB/s of every sweep row is K + V bytes / time, like the dfss rows' (dense-equivalent for the
+  // half sweep); the kernel column says what it read.
+  const auto sweep_row = [&](const char* what, const std::vector<double>& ms, double read_bytes) {
     decode_row bw;
     bw.c = c;
     bw.what = what;
-    bw.kernel = "read " + std::to_string(static_cast<long long>(kv_bytes / 1048576.0)) + " MiB (checksum " +
+    bw.kernel = "read " + std::to_string(static_cast<long long>(read_bytes / 1048576.0)) + " MiB (checksum " +
                 std::to_string(sink % 1000) + ")";
     bw.ok = true;
     bw.ms = summarize(ms);
@@ -244,8 +297,9 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
     bw.gbs = kv_bytes / (bw.ms.median * 1e6);
     rows.push_back(bw);
   };
-  sweep_row(kSweepRow, sweep_ms);
-  sweep_row(kOtherSweepRow, buffer_ms);
+  sweep_row(kSweepRow, sweep_ms, kv_bytes);
+  sweep_row(kOtherSweepRow, buffer_ms, kv_bytes);
+  sweep_row(kHalfSweepRow, half_ms, static_cast<double>(k.bytes() + pick.size() * row_words * 8));  // a row per pair
 
   // fp64 reference of every output (Lq rows are few), for caches up to kDecodeRefKeys keys.
   const bool check = !g_opt.no_ref && Lk <= kDecodeRefKeys;
@@ -419,7 +473,7 @@ int run_decode() {
     for (const decode_row& o : rows) {
       if (!o.ok || !same_config(o.c, r.c)) continue;
       if (o.what == kSweepRow) r.of_bandwidth = r.gbs / o.gbs;
-      if (r.what == kOtherSweepRow) continue;  // a yardstick too: no ratios but to the cache's sweep
+      if (is_sweep_row(r.what)) continue;  // a yardstick too: no ratios but to the cache's sweep
       if (o.what.rfind("torch", 0) == 0) r.vs_sdpa = o.ms.median / r.ms.median;
       if (o.what == "dfss dense") r.vs_dense = o.ms.median / r.ms.median;
     }
@@ -432,7 +486,7 @@ int run_decode() {
     };
     return index(x.c) < index(y.c);
   });
-  std::printf("%-6s %-7s %-5s %-20s %-30s %5s %10s %9s %9s %8s %8s %8s %9s %9s\n", "Lk", "H:Hkv", "cache", "row",
+  std::printf("%-6s %-7s %-5s %-24s %-30s %5s %10s %9s %9s %8s %8s %8s %9s %9s\n", "Lk", "H:Hkv", "cache", "row",
               "kernel", "iters", "ms median", "ms min", "ms max", "GB/s", "% of bw", "vs SDPA", "vs dense",
               "max err");
   const decode_config* last = nullptr;
@@ -441,11 +495,11 @@ int run_decode() {
     last = &r.c;
     const std::string hh = std::to_string(r.c.heads) + ":" + std::to_string(r.c.heads_kv);
     if (!r.ok) {
-      std::printf("%-6lld %-7s %-5s %-20s %-30s not run: %s\n", r.c.lk, hh.c_str(), r.c.dtype.c_str(), r.what.c_str(),
+      std::printf("%-6lld %-7s %-5s %-24s %-30s not run: %s\n", r.c.lk, hh.c_str(), r.c.dtype.c_str(), r.what.c_str(),
                   r.kernel.c_str(), r.reason.c_str());
       continue;
     }
-    std::printf("%-6lld %-7s %-5s %-20s %-30s %5d %10s %9s %9s %8s %8s %8s %9s %9s\n", r.c.lk, hh.c_str(),
+    std::printf("%-6lld %-7s %-5s %-24s %-30s %5d %10s %9s %9s %8s %8s %8s %9s %9s\n", r.c.lk, hh.c_str(),
                 r.c.dtype.c_str(), r.what.c_str(), r.kernel.c_str(), r.iters, fmt(r.ms.median, 3).c_str(),
                 fmt(r.ms.min, 3).c_str(), fmt(r.ms.max, 3).c_str(), fmt(r.gbs, 1).c_str(),
                 fmt(100.0 * r.of_bandwidth, 0).c_str(), fmt(r.vs_sdpa, 2).c_str(), fmt(r.vs_dense, 2).c_str(),
@@ -488,7 +542,9 @@ int run_decode() {
       "configuration (a read-only pass over the cache's own K and V with the same threads, timed round-robin\n"
       "with the dfss rows, each call after a read of 128 MiB elsewhere that empties the CPU's caches;\n"
       "'memory sweep, other' is the same pass over a buffer of that size allocated after\n"
-      "the cache, its %% of bw the rate of that other memory against the cache's); vs SDPA = SDPA median /\n"
+      "the cache, its %% of bw the rate of that other memory against the cache's; 'memory sweep, K + half V'\n"
+      "reads all of K and one random row of every two of V, the least a 1:2 step reads: its %% of bw is the\n"
+      "most that skipping V rows can gain over the cache's sweep on this machine); vs SDPA = SDPA median /\n"
       "row median (> 1: faster than SDPA); vs dense = dfss dense median / row median; max err = max |out -\n"
       "fp64 reference| over every output, for caches up to %lld keys (torch: vs float64 of the same math,\n"
       "every length).\n",

@@ -107,10 +107,15 @@ inline constexpr bool kKeyMajorStreamsRows = HWY_TARGET <= HWY_AVX3 && !HWY_HAVE
 /// prefetches the next block's V rows during those passes (measured on AVX2 only; see there).
 inline constexpr bool kKeyMajorPrefetchesNext = HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4;
 
-#if HWY_TARGET <= HWY_AVX3
-/// The lane sums of eight 16-lane vectors, v[i]'s at key i % G of row i / G of s (row stride
-/// @p stride): a transposing tree in registers, 26 instructions for the eight against about 8 per
-/// vector for a sum of its lanes alone.
+/// Whether dot_block sums the lanes of eight (row, key) vectors at once (store_sums8): AVX-512 and
+/// AVX2 (see there).
+inline constexpr bool kDotSums8 = HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_AVX2;
+
+#if HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_AVX2
+/// The lane sums of eight 16-lane (AVX-512) or 8-lane (AVX2) vectors, v[i]'s at key i % G of row
+/// i / G of s (row stride @p stride): a transposing tree in registers, 26 instructions for the
+/// eight 16-lane vectors (21 for 8-lane ones) against about 8 (7) per vector for a sum of its
+/// lanes alone.
 template <int G>
 HWY_INLINE void store_sums8(const VF* v, float* HWY_RESTRICT s, std::int64_t stride) {
   const DF d;
@@ -125,8 +130,29 @@ HWY_INLINE void store_sums8(const VF* v, float* HWY_RESTRICT s, std::int64_t str
     const auto b = hn::BitCast(dd, t[2 * j + 1]);
     u[j] = hn::Add(hn::BitCast(d, hn::InterleaveLower(dd, a, b)), hn::BitCast(d, hn::InterleaveUpper(dd, a, b)));
   }
-  // Block b of u[j]: the partial sums over block b of v[4j .. 4j + 3]; fold the four blocks.
+  // Block b of u[j]: the partial sums over block b of v[4j .. 4j + 3]; fold the blocks.
   const VF x = hn::Add(hn::ConcatLowerLower(d, u[1], u[0]), hn::ConcatUpperUpper(d, u[1], u[0]));
+  if constexpr (hn::MaxLanes(DF()) == 8) {
+    // Lane i of x: the sum of v[i].
+    if constexpr (G == 8) {
+      hn::StoreU(x, d, s);
+    } else {
+      static_assert(G == 2 || G == 4, "8 / G rows of G keys");
+      const hn::Half<DF> dh;
+      const auto lo = hn::LowerHalf(dh, x), hi = hn::UpperHalf(dh, x);
+      if constexpr (G == 4) {
+        hn::StoreU(lo, dh, s);
+        hn::StoreU(hi, dh, s + stride);
+      } else {
+        const hn::Half<decltype(dh)> d2;
+        hn::StoreU(hn::LowerHalf(d2, lo), d2, s);
+        hn::StoreU(hn::UpperHalf(d2, lo), d2, s + stride);
+        hn::StoreU(hn::LowerHalf(d2, hi), d2, s + 2 * stride);
+        hn::StoreU(hn::UpperHalf(d2, hi), d2, s + 3 * stride);
+      }
+    }
+    return;
+  }
   const hn::Half<DF> dh;
   const hn::Half<decltype(dh)> dq;
   const auto xl = hn::LowerHalf(dh, x);
@@ -397,7 +423,11 @@ class decode_pass : public kernel<T> {
   /// 42-43 ms, two threads 28.3 against 24.6 ms (a plain sweep: 22.8); AVX2 and L2-resident steps
   /// the same either way. On AVX-512 with Q held in registers, keys go 8 / R at a time, one chain
   /// per (row, key) (the keys' chains are independent), and their eight vectors are summed by one
-  /// tree in registers right after (store_sums8); the keys left over go one at a time.
+  /// tree in registers right after (store_sums8); the keys left over go one at a time. On AVX2 one
+  /// row (MHA) does the same, 8 keys at a time with Q read from L1 (MHA 32:32, fp32, Lk = 16384, 2
+  /// Zen 3 threads: 0.92 -> 0.96-0.97 of the cache's sweep, two runs of 5 and 7 interleaved rounds;
+  /// a step in L3 10% faster; bf16 the same within the noise); 4 rows (GQA), 2 keys at a time, made
+  /// a step in L3 10% slower, so groups of rows keep the per-key sums there.
   /// A key's row is read whole before the next key's, so the loads run in address order:
   /// interleaving the rows of a few keys (more independent FMA chains) made the hardware prefetcher
   /// lose the stream, 19 against 30 GB/s on one Zen 5 core. NV: vectors per row (0: d / lanes at
@@ -423,8 +453,11 @@ class decode_pass : public kernel<T> {
       else return hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
     };
     int t = 0;
-#if HWY_TARGET <= HWY_AVX3
-    if constexpr (kHeld && hn::MaxLanes(DF()) == 16 && (R == 1 || R == 2 || R == 4)) {
+#if HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_AVX2
+    // AVX-512: Q held in registers; AVX2: Q read from L1 beside each K vector (held, it would
+    // leave no room for the eight chains).
+    constexpr bool kSums8 = HWY_TARGET == HWY_AVX2 ? R == 1 && !kHeld && NV > 0 : kHeld && hn::MaxLanes(DF()) == 16;
+    if constexpr (kSums8 && (R == 1 || R == 2 || R == 4)) {
       constexpr int G = 8 / R;
       for (; t + G <= n; t += G) {
         VF acc[8];
@@ -437,7 +470,7 @@ class decode_pass : public kernel<T> {
           for (int c = 0; c < NV; ++c) {
             const VF kc = this->load_value(row + c * lanes_);
             if constexpr (Check) t_top = hn::Max(t_top, hn::And(hn::BitCast(di, kc), magnitude));
-            for (int r = 0; r < R; ++r) acc[r * G + g] = hn::MulAdd(qv[r][c], kc, acc[r * G + g]);
+            for (int r = 0; r < R; ++r) acc[r * G + g] = hn::MulAdd(q_at(r, c), kc, acc[r * G + g]);
           }
         }
         store_sums8<G>(acc, s + t, w_);

@@ -107,10 +107,6 @@ inline constexpr bool kKeyMajorStreamsRows = HWY_TARGET <= HWY_AVX3 && !HWY_HAVE
 /// prefetches the next block's V rows during those passes (measured on AVX2 only; see there).
 inline constexpr bool kKeyMajorPrefetchesNext = HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4;
 
-/// Whether dot_block sums the lanes of eight (row, key) vectors at once (store_sums8): AVX-512 and
-/// AVX2 (see there).
-inline constexpr bool kDotSums8 = HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_AVX2;
-
 #if HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_AVX2
 /// The lane sums of eight 16-lane (AVX-512) or 8-lane (AVX2) vectors, v[i]'s at key i % G of row
 /// i / G of s (row stride @p stride): a transposing tree in registers, 26 instructions for the

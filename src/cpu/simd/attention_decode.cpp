@@ -883,13 +883,14 @@ class decode_pass : public kernel<T> {
 #if DFSS_SIMD_BF16_DOT
     if constexpr (std::is_same_v<T, bfloat16>) streamed = streamed && !dot_;
 #endif
-    // Column passes over a block of the touch path (below), for the prefetch of the next block.
+    // The touch path's register blocks (below): rows of a block given the rows left, and column
+    // vectors per pass given its rows; and its passes over a block, for the prefetch of the next.
+    const auto block_rows = [](int left) { return left >= 4 ? 4 : (left >= 2 ? 2 : 1); };
+    const auto block_columns = [](int rr) { return std::min(8, kKeyMajorAccumulators / rr); };
     int passes = 0;
-    for (int r0 = 0; r0 < rows_;) {
-      const int rr = rows_ - r0 >= 4 ? 4 : (rows_ - r0 >= 2 ? 2 : 1);
-      const int cmax = std::min(8, kKeyMajorAccumulators / rr);
+    for (int r0 = 0; r0 < rows_; r0 += block_rows(rows_ - r0)) {
+      const int cmax = block_columns(block_rows(rows_ - r0));
       passes += (nv + cmax - 1) / cmax;
-      r0 += rr;
     }
     for (int k0 = 0; k0 < nu; k0 += kKeyMajorBlock) {
       const int n = std::min(kKeyMajorBlock, nu - k0);
@@ -937,8 +938,8 @@ class decode_pass : public kernel<T> {
       const int next = kKeyMajorPrefetchesNext && k0 + kKeyMajorBlock < nu ? std::min(kKeyMajorBlock, nu - k0 - kKeyMajorBlock) : 0;
       int pass = 0;
       for (int r0 = 0; r0 < rows_;) {
-        const int rr = rows_ - r0 >= 4 ? 4 : (rows_ - r0 >= 2 ? 2 : 1);
-        const int cmax = std::min(8, kKeyMajorAccumulators / rr);
+        const int rr = block_rows(rows_ - r0);
+        const int cmax = block_columns(rr);
         for (int c = 0; c < nv; c += cmax) {
           for (int k = next * pass / passes; k < next * (pass + 1) / passes; ++k) {
             prefetch_v_row(v + ukeys[k0 + kKeyMajorBlock + k] * step);

@@ -105,8 +105,24 @@ inline std::uint64_t word_at(const unsigned char* p, std::size_t i) {
   return w;
 }
 
-/// The read-only sweep: the parts' words in order, every thread summing its contiguous share (four
-/// independent accumulators, so the loop is bound by the loads, not by an add chain).
+/// Sums of 64-bit words in four independent accumulators, so that a sweep is bound by its loads,
+/// not by an add chain.
+struct word_sums {
+  std::uint64_t a = 0, b = 0, c = 0, d = 0;
+  /// Adds words [i, last) of @p bytes.
+  void add(const unsigned char* bytes, std::size_t i, std::size_t last) {
+    for (; i + 4 <= last; i += 4) {
+      a += word_at(bytes, i);
+      b += word_at(bytes, i + 1);
+      c += word_at(bytes, i + 2);
+      d += word_at(bytes, i + 3);
+    }
+    for (; i < last; ++i) a += word_at(bytes, i);
+  }
+  std::uint64_t total() const { return a + b + c + d; }
+};
+
+/// The read-only sweep: the parts' words in order, every thread summing its contiguous share.
 std::uint64_t sweep(const std::vector<sweep_part>& parts, int threads) {
   std::size_t n = 0;
   for (const auto& p : parts) n += p.words;
@@ -116,23 +132,15 @@ std::uint64_t sweep(const std::vector<sweep_part>& parts, int threads) {
     const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
     const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
     const std::size_t begin = n * t / nt, end = n * (t + 1) / nt;
-    std::uint64_t a = 0, b = 0, c = 0, d = 0;
+    word_sums sums;
     std::size_t first = 0;  // the part's first word in the whole
     for (const auto& p : parts) {
-      // This thread's words of the part: [lo, hi) of the whole, [i, last) of the part.
+      // This thread's words of the part: [lo, hi) of the whole, [lo - first, hi - first) of the part.
       const std::size_t lo = std::max(begin, first), hi = std::min(end, first + p.words);
-      std::size_t i = lo - first;
-      const std::size_t last = hi > lo ? hi - first : i;
-      for (; i + 4 <= last; i += 4) {
-        a += word_at(p.bytes, i);
-        b += word_at(p.bytes, i + 1);
-        c += word_at(p.bytes, i + 2);
-        d += word_at(p.bytes, i + 3);
-      }
-      for (; i < last; ++i) a += word_at(p.bytes, i);
+      if (hi > lo) sums.add(p.bytes, lo - first, hi - first);
       first += p.words;
     }
-    total += a + b + c + d;
+    total += sums.total();
   }
   return total;
 }
@@ -150,22 +158,13 @@ std::uint64_t sweep_half(const sweep_part& whole, const sweep_part& rows, std::s
   {
     const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
     const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
-    std::uint64_t a = 0, b = 0, c = 0, d = 0;
-    const auto add = [&](const unsigned char* bytes, std::size_t i, std::size_t last) {
-      for (; i + 4 <= last; i += 4) {
-        a += word_at(bytes, i);
-        b += word_at(bytes, i + 1);
-        c += word_at(bytes, i + 2);
-        d += word_at(bytes, i + 3);
-      }
-      for (; i < last; ++i) a += word_at(bytes, i);
-    };
-    add(whole.bytes, whole.words * t / nt, whole.words * (t + 1) / nt);
+    word_sums sums;
+    sums.add(whole.bytes, whole.words * t / nt, whole.words * (t + 1) / nt);
     for (std::size_t p = pairs * t / nt; p < pairs * (t + 1) / nt; ++p) {
       const std::size_t row = std::min(2 * p + pick[p], n_rows - 1);
-      add(rows.bytes, row * row_words, (row + 1) * row_words);
+      sums.add(rows.bytes, row * row_words, (row + 1) * row_words);
     }
-    total += a + b + c + d;
+    total += sums.total();
   }
   return total;
 }

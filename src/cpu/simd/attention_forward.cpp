@@ -122,6 +122,7 @@ class forward_pass : public kernel<T> {
   using base::group_;
   using base::lanes_;
   using base::p_;
+  using base::panel_;
   using base::scale_;
   using base::w_;
   using base::zero_row_;
@@ -181,7 +182,7 @@ class forward_pass : public kernel<T> {
       }
     }
     for (std::int64_t j0 = k0; j0 < tile_end; j0 += w_) {
-      scores(ws, rows_mk, j0);
+      scores(ws, rows_mk, j0, tile_end);
       // Rows whose P V for this tile is left to blocked_values.
       std::uint32_t blocked = 0;
       for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0, blocked);
@@ -445,11 +446,16 @@ class forward_pass : public kernel<T> {
   }
 
   /// S = Q K^T of the task's query tile and the key tile at @p j0, into ws.s.
-  void scores(workspace& ws, int rows_mk, std::int64_t j0) const {
+  /// The fp32 product stops at the panel that holds key tile_end - 1, the last key any row of the
+  /// task sees: the causal diagonal's tile is computed only up to the task's last row (on average
+  /// half a tile less per task; 6% of the causal Q K^T at L = 2048 with 128-key tiles). Scores past
+  /// it are never read: every row masks them to -inf first (bias_and_mask).
+  void scores(workspace& ws, int rows_mk, std::int64_t j0, std::int64_t tile_end) const {
 #if DFSS_SIMD_BF16_DOT
     if (dot_) return bf16dot::qk_tile(ws.qb.ptr, rows_mk, dp_, ws.kb.ptr, j0, w_, ws.s.ptr);
 #endif
-    this->tile_product(ws.q.ptr, rows_mk, ws.kt.ptr, j0, ws.s.ptr);
+    const std::int64_t visible = (tile_end - j0 + panel_ - 1) / panel_ * panel_;
+    this->tile_product(ws.q.ptr, rows_mk, ws.kt.ptr, j0, ws.s.ptr, static_cast<int>(std::min<std::int64_t>(w_, visible)));
   }
 
   /// acc += p * V[offset] over the @p kept compacted weights @p cv and V element offsets @p ci.

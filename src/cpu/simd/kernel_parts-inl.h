@@ -926,10 +926,13 @@ struct kernel {
   /// block by row block, each re-read the whole K tile (32 KiB at d = 64, all of Zen 3's L1D). The
   /// two orders measured alike within the host's noise (one Zen 3 thread, causal, L = 2048); the
   /// panel's address is stepped instead of divided out per call (an idiv per micro-kernel call).
-  void tile_product(const float* x, int rows, const float* panels, std::int64_t j0, float* s) const {
+  /// Only the first @p width keys of the tile (a multiple of the panel; default all W) are
+  /// computed: the causal forward's last tile stops at the task's last visible key.
+  void tile_product(const float* x, int rows, const float* panels, std::int64_t j0, float* s, int width = -1) const {
+    if (width < 0) width = w_;
     const float* panel = panels + (j0 / panel_) * dp_ * panel_;
     const std::int64_t panel_floats = static_cast<std::int64_t>(dp_) * panel_;
-    for (int jb = 0; jb < w_; jb += panel_, panel += panel_floats) {
+    for (int jb = 0; jb < width; jb += panel_, panel += panel_floats) {
       for (int i = 0; i < rows; i += kMicroRows) {
         microkernel<kMicroRows>(x + i * dp_, dp_, panel, dp_, s + i * w_ + jb, w_);
       }

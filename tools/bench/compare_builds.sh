@@ -20,6 +20,7 @@
 #   --isa NAME          the fused kernels' ISA on both sides (automatic); e.g. avx2 compares one
 #                       SIMD target across builds (both builds must know the name)
 #   --backward          time forward + backward (dfss bench --backward) instead of the forward
+#   --causal            causal attention (dfss bench --causal: Lq = Lk, bottom-right mask)
 #   --decode            time decode steps (dfss bench --decode, one run per round covers every
 #                       cache type and head layout; --head-dims and --algorithms do not apply),
 #                       and print each side's median share of the memory sweep of its own runs
@@ -40,7 +41,7 @@ die() { printf 'compare_builds: error: %s\n' "$*" >&2; exit 2; }
 say() { printf 'compare_builds: %s\n' "$*" >&2; }
 
 rounds=5 lengths="" head_dims=64,128 dtypes=f32,bf16 patterns=dense,1:2,2:4
-algorithms=fused isa=automatic backward=() decode=0 decode_heads=32:32,32:8 threads=2 iters=3 threshold=1.03 out="" build_root="${XDG_CACHE_HOME:-$HOME/.cache}/dfss/compare"
+algorithms=fused isa=automatic backward=() causal=() decode=0 decode_heads=32:32,32:8 threads=2 iters=3 threshold=1.03 out="" build_root="${XDG_CACHE_HOME:-$HOME/.cache}/dfss/compare"
 positional=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -52,6 +53,7 @@ while [ $# -gt 0 ]; do
     --algorithms) algorithms="${2:?--algorithms: expected a comma list}"; shift 2 ;;
     --isa) isa="${2:?--isa: expected an ISA name}"; shift 2 ;;
     --backward) backward=(--backward); shift ;;
+    --causal) causal=(--causal); shift ;;
     --decode) decode=1; shift ;;
     --decode-heads) decode_heads="${2:?--decode-heads: expected a comma list}"; shift 2 ;;
     --threads) threads="${2:?--threads: expected a number}"; shift 2 ;;
@@ -146,7 +148,7 @@ for ((r = 1; r <= rounds; r++)); do
         [ "$side" = new ] && bin=$new_bin
         say "round $r/$rounds, $t d=$d: $side ($((SECONDS - start)) s so far)"
         "$bin" bench --lengths "$lengths" --patterns "$patterns" --algorithms "$algorithms" --head-dim "$d" \
-          --isa "$isa" "${backward[@]}" --dtype "$t" --threads "$threads" --warmup 1 --iters "$iters" --no-torch --no-sgemm --no-ref \
+          --isa "$isa" "${backward[@]}" "${causal[@]}" --dtype "$t" --threads "$threads" --warmup 1 --iters "$iters" --no-torch --no-sgemm --no-ref \
           --json "$out/r$r-$side-$t-d$d.json" >"$out/r$r-$side-$t-d$d.txt" 2>/dev/null ||
           die "round $r, $side binary ($bin), $t d=$d failed: see $out/r$r-$side-$t-d$d.txt"
       done

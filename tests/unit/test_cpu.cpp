@@ -10,6 +10,7 @@
 // (tests/common/testing.hpp derives it).
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cstring>
 
 #include "common/run.hpp"
@@ -165,6 +166,58 @@ TEST(Cpu, EmptyRowsAndNaN) {
   }
   EXPECT_TRUE(std::isnan(got.o[static_cast<std::size_t>(10 * 4)]));
   EXPECT_EQ(got.lse[0], -kInf);
+  }
+}
+
+// A bf16 output is the fp32 output rounded by float_to_bf16 (nearest even, NaN quieted; its own
+// rounding is tested in test_numeric), element for element, in both layouts and for a d that is
+// not a multiple of the vector: store_row normalises the row in place before handing it to the
+// element-wise store, and this pins down that nothing else moves. Batch 0 has Q = 0, so each
+// row's weights are equal and its output is the mean of its visible V rows: the mean of two bf16
+// values holds one bit more than bf16 (about half of such columns are exact ties), of four, two.
+// Batch 1 is random, with NaN in a V value and a +inf in a Q value (a NaN row).
+TEST(Cpu, Bf16OutputIsTheFp32OutputRounded) {
+  std::mt19937_64 rng(test_seed() + 15);
+  for (const std::int64_t d : {std::int64_t{64}, std::int64_t{44}}) {
+    for (const pattern pat : {pattern{1, 1}, pattern{1, 2}}) {
+      problem pr;
+      pr.B = 2, pr.Lq = 70, pr.Lk = 70, pr.H = 2, pr.Hkv = 1, pr.d = d, pr.pat = pat, pr.causal = true;
+      fill(pr, rng);
+      for (std::int64_t x = 0; x < pr.Lq * pr.H * d; ++x) pr.q[static_cast<std::size_t>(x)] = 0.0;
+      const std::int64_t b1 = pr.Lk * d;  // batch 1's first K and V element
+      pr.v[static_cast<std::size_t>(b1 + 20 * d + 3)] = kNaN;
+      pr.q[static_cast<std::size_t>(pr.Lq * pr.H * d + (40 * pr.H + 1) * d + 5)] = kInf;
+      for (cpu_isa isa : runnable_isas()) {
+        for (const bool bhld : {false, true}) {
+          run_options opt;
+          opt.isa = isa;
+          opt.type = dtype::bf16;
+          opt.backend = backend::cpu;
+          opt.bhld = bhld;
+          opt.out_type = dtype::f32;
+          const auto wide = run_forward(pr, opt);
+          opt.out_type = dtype::bf16;
+          const auto got = run_forward(pr, opt);
+          ASSERT_EQ(got.o.size(), wide.o.size());
+          std::int64_t ties = 0, nans = 0;
+          for (std::size_t x = 0; x < got.o.size(); ++x) {
+            const float f = static_cast<float>(wide.o[x]);
+            if (std::isnan(f)) {
+              ++nans;
+              EXPECT_TRUE(std::isnan(got.o[x])) << x;
+              continue;
+            }
+            if ((std::bit_cast<std::uint32_t>(f) & 0xffffu) == 0x8000u) ++ties;
+            const double want = static_cast<double>(bf16_to_float(float_to_bf16(f)));
+            ASSERT_EQ(got.o[x], want) << isa_name(isa) << " " << pr.describe() << " bhld=" << bhld << " at " << x
+                                      << ": fp32 " << f;
+            ASSERT_EQ(std::signbit(got.o[x]), std::signbit(want)) << x;
+          }
+          EXPECT_GT(ties, d / 4) << "the test should hold exact ties";
+          EXPECT_GT(nans, 0) << "the test should hold NaN outputs";
+        }
+      }
+    }
   }
 }
 

@@ -118,7 +118,7 @@ model=$(sed -n 's/^model\s*:\s*//p' /proc/cpuinfo | head -1)
   if [ "$decode" = 1 ]; then
     echo "decode: cache lengths $lengths, heads $decode_heads, cache types $dtypes, patterns $patterns,"
   else
-    echo "sweep: lengths $lengths, head dims $head_dims, dtypes $dtypes, patterns $patterns, algorithms $algorithms,"
+    echo "sweep: lengths $lengths, head dims $head_dims, dtypes $dtypes, patterns $patterns, algorithms $algorithms,${causal:+ causal,}${backward:+ forward + backward,}"
   fi
   echo "       $threads threads, $iters timed calls per run, $rounds interleaved rounds"
 } | tee "$out/setup.txt" >&2

@@ -79,10 +79,21 @@ class forward_pass : public kernel<T> {
     const bool split = chunks_ > 1;
     chunked_states chunked(split ? row_tasks : 0, chunks_, split ? tasks * kRowsPerTask : 0, dp_);
     const partial_states parts = chunked.view();
-    // Causal tasks differ in cost: hand them out one at a time. Otherwise contiguous chunks let
-    // each worker pack each (batch, kv head) (or key chunk of it) once.
+    // Causal tasks differ in cost: handed out dynamically. Otherwise contiguous chunks let each
+    // worker pack each (batch, kv head) (or key chunk of it) once. One causal task at a time, every
+    // worker packed every head (the workers move through the heads together): with two Zen 3
+    // threads (B = 1, H = 12, L = 2048, d = 64, fp32, 1:2) 10.5% of the samples were packing. So
+    // where there are at least two heads (with their chunks) per worker, all but the last
+    // `workers` heads are handed out whole, one worker taking every query tile of a head in turn,
+    // and the last ones a task at a time, so that the workers still finish together: packing 4.4%
+    // of the samples (medians of 9 interleaved rounds: 1:2 59.4 -> 56.8 ms; at L = 4096 dense
+    // 249 -> 240 ms). A function of the thread count, but which worker runs a task never changes
+    // its result.
+    const std::int64_t head_units = tasks / q_tiles_;
+    const int workers = worker_count(p_.num_threads, tasks);
+    const std::int64_t whole = p_.causal && head_units >= 2 * workers ? head_units - workers : 0;
     parallel_for(
-        tasks, p_.num_threads, p_.causal ? schedule::dynamic : schedule::contiguous,
+        whole + (tasks - whole * q_tiles_), p_.num_threads, p_.causal ? schedule::dynamic : schedule::contiguous,
         [&] {
           this->reserve(worker_scratch<workspace>(), /*backward=*/false);
 #if DFSS_SIMD_BF16_DOT
@@ -93,9 +104,13 @@ class forward_pass : public kernel<T> {
 #endif
           if (pair_tiles_) worker_scratch<workspace>().vn.resize(static_cast<std::size_t>((p_.seqlen_k / 2 + 1) * dp_));
         },
-        [&](std::int64_t t) {
-          const std::int64_t row_task = task(worker_scratch<workspace>(), t, parts);
-          if (split && chunked.finish(row_task)) fold(row_task, parts);
+        [&](std::int64_t u) {
+          const std::int64_t first = u < whole ? u * q_tiles_ : whole * q_tiles_ + (u - whole);
+          const std::int64_t last = u < whole ? first + q_tiles_ : first + 1;
+          for (std::int64_t t = first; t < last; ++t) {
+            const std::int64_t row_task = task(worker_scratch<workspace>(), t, parts);
+            if (split && chunked.finish(row_task)) fold(row_task, parts);
+          }
         });
   }
 

@@ -942,7 +942,7 @@ class decode_pass : public kernel<T> {
         const int cmax = block_columns(rr);
         for (int c = 0; c < nv; c += cmax) {
           for (int k = next * pass / passes; k < next * (pass + 1) / passes; ++k) {
-            prefetch_v_row(v + ukeys[k0 + kKeyMajorBlock + k] * step);
+            this->prefetch_lines(v + ukeys[k0 + kKeyMajorBlock + k] * step);
           }
           ++pass;
           float* acc = ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_ + c * lanes_;
@@ -976,13 +976,6 @@ class decode_pass : public kernel<T> {
       for (std::int64_t x = 0; x < units; x += kPerLine) any = hn::Or(any, hn::LoadU(du, row + std::min(x, last)));
     }
     hn::StoreU(any, du, reinterpret_cast<std::uint16_t*>(ws.touch.ptr));
-  }
-
-  /// Software prefetch of every cache line the V row at @p row (d_ values) touches.
-  HWY_INLINE void prefetch_v_row(const T* row) const {
-    const auto at = reinterpret_cast<std::uintptr_t>(row);
-    const std::uintptr_t first = at / kCacheLine * kCacheLine, end = at + sizeof(T) * static_cast<std::uintptr_t>(d_);
-    for (std::uintptr_t x = first; x < end; x += kCacheLine) this->prefetch_line(reinterpret_cast<const char*>(x));
   }
 
   /// Whether the @p n floats at @p x are all finite.

@@ -804,8 +804,14 @@ struct kernel {
   /// Prefetches the bytes of row (b, j, h) of a [B, L, H, d] input with element strides @p st.
   void prefetch_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h) const {
     if (st[3] != 1) return;  // a strided row: left to the hardware
-    const char* row = static_cast<const char*>(base) + core::offset4(st, b, j, h, 0) * static_cast<std::int64_t>(sizeof(T));
-    for (std::int64_t x = 0; x < static_cast<std::int64_t>(sizeof(T)) * d_; x += kCacheLine) prefetch_line(row + x);
+    prefetch_lines(static_cast<const T*>(base) + core::offset4(st, b, j, h, 0));
+  }
+
+  /// Prefetches every cache line that the d_ contiguous values at @p row touch.
+  HWY_INLINE void prefetch_lines(const T* row) const {
+    const auto at = reinterpret_cast<std::uintptr_t>(row);
+    const std::uintptr_t first = at / kCacheLine * kCacheLine, end = at + sizeof(T) * static_cast<std::uintptr_t>(d_);
+    for (std::uintptr_t x = first; x < end; x += kCacheLine) prefetch_line(reinterpret_cast<const char*>(x));
   }
 
   /// GCC 12 emits nothing for __builtin_prefetch (and so for hwy::Prefetch) inside functions compiled

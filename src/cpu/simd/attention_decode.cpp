@@ -883,8 +883,9 @@ class decode_pass : public kernel<T> {
 #if DFSS_SIMD_BF16_DOT
     if constexpr (std::is_same_v<T, bfloat16>) streamed = streamed && !dot_;
 #endif
-    // The touch path's register blocks (below): rows of a block given the rows left, and column
-    // vectors per pass given its rows; and its passes over a block, for the prefetch of the next.
+    // The register blocks (below): rows of a block given the rows left (both paths), and the touch
+    // path's column vectors per pass given its rows and its passes over a block, for the prefetch
+    // of the next.
     const auto block_rows = [](int left) { return left >= 4 ? 4 : (left >= 2 ? 2 : 1); };
     const auto block_columns = [](int rr) { return std::min(8, kKeyMajorAccumulators / rr); };
     int passes = 0;
@@ -896,8 +897,7 @@ class decode_pass : public kernel<T> {
       const int n = std::min(kKeyMajorBlock, nu - k0);
       if (streamed) {
         for (int r0 = 0; r0 < rows_;) {
-          const int left = std::min(rows_ - r0, rows_per_pass);
-          const int rr = left >= 4 ? 4 : (left >= 2 ? 2 : 1);
+          const int rr = block_rows(std::min(rows_ - r0, rows_per_pass));
           float* acc = ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_;
           const float* wt = weights + static_cast<std::int64_t>(r0) * wstride;
           const auto key = [k0](int k) { return k0 + k; };

@@ -305,7 +305,9 @@ TEST(CpuDecode, DirectAndPanelTilesInOneTask) {
   // exact in fp32, so its score dominates every row of the group that keeps it) in the middle of its
   // cache and a NaN in its last key (seen by the last query row only, under the causal mask: that
   // row is NaN, the other is not), and batch 1's cache holds NaN past
-  // its length, in K and V (never read: no NaN may reach its rows). Against the fp64 reference, with
+  // its length, in K and V (never read: no NaN may reach its rows). Kv head 1 of batch 0 has a NaN
+  // in one key at an even column (its rows are NaN), where the NaN above is at an odd one: a bf16
+  // cache read in the pair layout (even columns and odd ones apart) must find both. Against the fp64 reference, with
   // 1 and 3 threads bitwise alike, for d = 64 (a multiple of every target's vector: direct tiles)
   // and each pattern.
   std::mt19937_64 rng(test_seed() + 105);
@@ -319,6 +321,7 @@ TEST(CpuDecode, DirectAndPanelTilesInOneTask) {
     for (std::int64_t c = 0; c < pr.d; ++c) {
       pr.k[kv_at(0, 1500, 0, c)] *= 0x1p60;
       if (c == 3) pr.k[kv_at(0, 3000, 0, c)] = nan;  // visible to the last row only (causal)
+      if (c == 6) pr.k[kv_at(0, 2200, 1, c)] = nan;
       for (std::int64_t j = 1999; j < pr.Lk; ++j) {
         for (std::int64_t hk = 0; hk < pr.Hkv; ++hk) pr.k[kv_at(1, j, hk, c)] = pr.v[kv_at(1, j, hk, c)] = nan;
       }

@@ -191,6 +191,7 @@ struct decode_workspace {
   aligned_buffer<float> weights, acc_saved;  ///< key-major P V of a direct tile: [rows][W] weights, acc before it
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
   aligned_buffer<std::uint16_t> qb;  ///< avx3_bf16 with a bf16 cache: the group's Q rows as bf16
+  aligned_buffer<float> qp;          ///< a bf16 cache in the pair layout: the group's Q rows in it
   aligned_buffer<std::int32_t> union_keys, union_mark;  ///< the tile's keys some row kept, and their marks
   aligned_buffer<std::uint16_t> touch;  ///< where direct_accumulate's read of a whole V tile ends up
   int tile_keys[2] = {0, 0};            ///< per slot set (parity): keys of the tile before tile_end
@@ -213,7 +214,8 @@ class decode_pass : public kernel<T> {
         cstride_(w_ + 2 * lanes_),
         dense_(p.pattern_n == p.pattern_m),
         direct_(!HWY_HAVE_SCALABLE && d_ % lanes_ == 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1),
-        dot_(DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16> && direct_ && d_ % 32 == 0) {}
+        dot_(DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16> && direct_ && d_ % 32 == 0),
+        pairs_(std::is_same_v<T, bfloat16> && direct_ && !dot_ && (d_ / lanes_) % 2 == 0) {}
 
   void run() const {
     const std::int64_t pairs = p_.batch * p_.heads_kv;
@@ -271,6 +273,7 @@ class decode_pass : public kernel<T> {
     ws.row_nan.resize(rows);
     ws.q_max.resize(rows);
     if (dot_) ws.qb.resize(rows * dp);
+    if (pairs_) ws.qp.resize(rows * dp);
     // Row w of the tile's V is the zero row that masked and padding slots point at.
     std::fill(ws.vt.ptr + w * dp, ws.vt.ptr + (w + 1) * dp, 0.0f);
     std::fill(ws.used.ptr, ws.used.ptr + 2 * w, 0);
@@ -312,6 +315,7 @@ class decode_pass : public kernel<T> {
           std::uint16_t* qb = ws.qb.ptr + static_cast<std::int64_t>(r) * dp_;
           for (int c = 0; c < dp_; ++c) qb[c] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(q[c]) >> 16);
         }
+        if (pairs_) to_pairs(q, ws.qp.ptr + static_cast<std::int64_t>(r) * dp_);
       }
     }
     // Software pipeline over the tiles: the V rows a tile kept are prefetched when its selection is
@@ -333,8 +337,13 @@ class decode_pass : public kernel<T> {
       parts.max[at] = ws.row_max.ptr[r];
       parts.sum[at] = ws.row_sum.ptr[r];
       parts.nan[at] = static_cast<unsigned char>(ws.row_nan.ptr[r] != 0);
-      std::copy(ws.acc.ptr + static_cast<std::int64_t>(r) * dp_, ws.acc.ptr + static_cast<std::int64_t>(r + 1) * dp_,
-                parts.acc + at * static_cast<std::size_t>(dp_));
+      const float* acc = ws.acc.ptr + static_cast<std::int64_t>(r) * dp_;
+      float* out = parts.acc + at * static_cast<std::size_t>(dp_);
+      if (pairs_) {
+        from_pairs(acc, out);
+      } else {
+        std::copy(acc, acc + dp_, out);
+      }
     }
   }
 
@@ -393,6 +402,14 @@ class decode_pass : public kernel<T> {
   }
 
 #if !HWY_HAVE_SCALABLE
+  /// Whether the direct path's Q K^T for NV vectors per row reads K in the pair layout (against
+  /// ws.qp): a bf16 cache with an even number of vectors known at compile time (then pairs_ holds,
+  /// since direct_dots runs only on the direct path and not with vdpbf16ps).
+  template <int NV>
+  static constexpr bool pair_dots() {
+    return std::is_same_v<T, bfloat16> && NV > 0 && NV % 2 == 0;
+  }
+
   /// Rows per block of the direct path's Q K^T for NV vectors per row: on AVX-512 as many rows as
   /// keep their Q in 16 of the 32 registers across a block of keys (2 at d = 128, 4 at d = 64), so
   /// that a key costs one load per vector and FMA chain; elsewhere (and for a d known only at run
@@ -434,19 +451,40 @@ class decode_pass : public kernel<T> {
                             float* HWY_RESTRICT s, VI& top) const {
     const DF d;
     const DI di;
-    const int nv = NV > 0 ? NV : d_ / lanes_;
+    // The vector's width as a constant (fixed-width targets only), so that column offsets are
+    // immediate displacements rather than multiplications by lanes_.
+    constexpr int L = static_cast<int>(hn::MaxLanes(DF()));
+    const int nv = NV > 0 ? NV : d_ / L;
     const VI magnitude = hn::Set(di, 0x7fffffff);
     constexpr bool kHeld = NV > 0 && dot_block_rows<NV>() == R && R * NV <= 16;
+    VI t_top = top;
+    // In the pair layout, Check keeps the largest magnitude bits of the bf16 values themselves per
+    // 16-bit lane (one AND and one maximum per two vectors, not per vector), widened into top at
+    // the end.
+    const hn::Repartition<std::uint16_t, DF> d16;
+    auto top16 = hn::Zero(d16);
+    // K vectors c and c + 1 (c even): in the pair layout when direct_dots gave Q in it.
+    const auto load_two = [&](const T* at, VF& k0, VF& k1) {
+      if constexpr (pair_dots<NV>()) {
+        const auto both = load_pair(at, k0, k1);
+        if constexpr (Check) top16 = hn::Max(top16, hn::And(hn::BitCast(d16, both), hn::Set(d16, 0x7fff)));
+      } else {
+        k0 = base::load_value(at);
+        k1 = base::load_value(at + L);
+        if constexpr (Check) {
+          t_top = hn::Max(t_top, hn::Max(hn::And(hn::BitCast(di, k0), magnitude), hn::And(hn::BitCast(di, k1), magnitude)));
+        }
+      }
+    };
     VF qv[kHeld ? R : 1][kHeld ? NV : 1];
     if constexpr (kHeld) {
       for (int r = 0; r < R; ++r) {
-        for (int c = 0; c < NV; ++c) qv[r][c] = hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
+        for (int c = 0; c < NV; ++c) qv[r][c] = hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * L);
       }
     }
-    VI t_top = top;
     const auto q_at = [&](int r, int c) {
       if constexpr (kHeld) return qv[r][c];
-      else return hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * lanes_);
+      else return hn::Load(d, q + static_cast<std::int64_t>(r) * dp_ + c * L);
     };
     int t = 0;
 #if HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_AVX2
@@ -462,11 +500,15 @@ class decode_pass : public kernel<T> {
 #pragma GCC unroll 8
         for (int g = 0; g < G; ++g) {
           const T* row = k + (t + g) * step;
-#pragma GCC unroll 16
-          for (int c = 0; c < NV; ++c) {
-            const VF kc = this->load_value(row + c * lanes_);
-            if constexpr (Check) t_top = hn::Max(t_top, hn::And(hn::BitCast(di, kc), magnitude));
-            for (int r = 0; r < R; ++r) acc[r * G + g] = hn::MulAdd(q_at(r, c), kc, acc[r * G + g]);
+          static_assert(NV % 2 == 0, "K vectors loaded two at a time");
+#pragma GCC unroll 8
+          for (int c = 0; c < NV; c += 2) {
+            VF k0, k1;
+            load_two(row + c * L, k0, k1);
+            for (int r = 0; r < R; ++r) {
+              acc[r * G + g] = hn::MulAdd(q_at(r, c), k0, acc[r * G + g]);
+              acc[r * G + g] = hn::MulAdd(q_at(r, c + 1), k1, acc[r * G + g]);
+            }
           }
         }
         store_sums8<G>(acc, s + t, w_);
@@ -479,22 +521,26 @@ class decode_pass : public kernel<T> {
       for (int r = 0; r < R; ++r) a[r] = b[r] = hn::Zero(d);
       int c = 0;
       for (; c + 1 < nv; c += 2) {
-        const VF k0 = this->load_value(row + c * lanes_);
-        const VF k1 = this->load_value(row + (c + 1) * lanes_);
-        if constexpr (Check) {
-          t_top = hn::Max(t_top, hn::Max(hn::And(hn::BitCast(di, k0), magnitude), hn::And(hn::BitCast(di, k1), magnitude)));
-        }
+        VF k0, k1;
+        load_two(row + c * L, k0, k1);
         for (int r = 0; r < R; ++r) {
           a[r] = hn::MulAdd(q_at(r, c), k0, a[r]);
           b[r] = hn::MulAdd(q_at(r, c + 1), k1, b[r]);
         }
       }
       if (c < nv) {
-        const VF kc = this->load_value(row + c * lanes_);
+        const VF kc = this->load_value(row + c * L);
         if constexpr (Check) t_top = hn::Max(t_top, hn::And(hn::BitCast(di, kc), magnitude));
         for (int r = 0; r < R; ++r) a[r] = hn::MulAdd(q_at(r, c), kc, a[r]);
       }
       for (int r = 0; r < R; ++r) s[static_cast<std::int64_t>(r) * w_ + t] = hn::GetLane(hn::SumOfLanes(d, hn::Add(a[r], b[r])));
+    }
+    if constexpr (pair_dots<NV>() && Check) {
+      // Each 32-bit lane holds two maxima of bf16 magnitude bits: as fp32 bits, the low one shifted
+      // up, the high one with the low half cleared (both non-negative as int32).
+      const hn::RebindToUnsigned<DF> du;
+      const auto both = hn::BitCast(du, top16);
+      t_top = hn::Max(t_top, hn::BitCast(di, hn::Max(hn::ShiftLeft<16>(both), hn::And(both, hn::Set(du, 0xffff0000u)))));
     }
     top = t_top;
   }
@@ -532,7 +578,7 @@ class decode_pass : public kernel<T> {
     const auto block_rows = [](int left) { return left >= R ? R : (left >= 2 ? 2 : 1); };
     dot_blocks(keys, block_rows, [&](int r0, int rb, int t0, int n) {
       const T* kb = k + t0 * step;
-      const float* q = ws.q.ptr + static_cast<std::int64_t>(r0) * dp_;
+      const float* q = (pair_dots<NV>() ? ws.qp.ptr : ws.q.ptr) + static_cast<std::int64_t>(r0) * dp_;
       float* s = ws.s.ptr + static_cast<std::int64_t>(r0) * w_ + t0;
       if (r0 == 0) {
         if (rb == R) {
@@ -720,7 +766,9 @@ class decode_pass : public kernel<T> {
     for (int t = 0; t < w_; ++t) {
       if (used[t] == 0) continue;
       used[t] = 0;
-      this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, vt + static_cast<std::int64_t>(t) * dp_);
+      float* row = vt + static_cast<std::int64_t>(t) * dp_;
+      this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, row);
+      if (pairs_) to_pairs(row, row);  // the accumulators' layout
     }
     for (int r = 0; r < rows_; ++r) {
       const int n = ws.kept.ptr[parity * rows_mk_ + r];
@@ -777,8 +825,9 @@ class decode_pass : public kernel<T> {
       const auto by_key = [&](const float* weight, int count) {
         for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
           const T* base = v + row0 + c0;
-          with_column_vectors((dp_ - c0) / lanes_, [&](auto nv) {
-            add_keys_to_rows<1, decltype(nv)::value>(acc + c0, weight, 0, [](int k) { return k; }, count, base, step);
+          with_slice((dp_ - c0) / lanes_, [&](auto nv, auto pairs) {
+            add_keys_to_rows<1, decltype(nv)::value, decltype(pairs)::value>(acc + c0, weight, 0, [](int k) { return k; },
+                                                                             count, base, step);
           });
         }
       };
@@ -797,8 +846,9 @@ class decode_pass : public kernel<T> {
       }
       for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
         const T* base = v + row0 + c0;
-        with_column_vectors((dp_ - c0) / lanes_, [&](auto nv) {
-          add_cache_rows<decltype(nv)::value>(acc + c0, n, cv, [base, step, ci](int k) { return base + ci[k] * step; });
+        with_slice((dp_ - c0) / lanes_, [&](auto nv, auto pairs) {
+          add_cache_rows<decltype(nv)::value, decltype(pairs)::value>(acc + c0, n, cv,
+                                                                      [base, step, ci](int k) { return base + ci[k] * step; });
         });
       }
     }
@@ -888,6 +938,7 @@ class decode_pass : public kernel<T> {
     // of the next.
     const auto block_rows = [](int left) { return left >= 4 ? 4 : (left >= 2 ? 2 : 1); };
     const auto block_columns = [](int rr) { return std::min(8, kKeyMajorAccumulators / rr); };
+    static_assert(kKeyMajorAccumulators / 4 % 2 == 0, "even column passes for the pair layout (with_slice)");
     int passes = 0;
     for (int r0 = 0; r0 < rows_; r0 += block_rows(rows_ - r0)) {
       const int cmax = block_columns(block_rows(rows_ - r0));
@@ -901,8 +952,8 @@ class decode_pass : public kernel<T> {
           float* acc = ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_;
           const float* wt = weights + static_cast<std::int64_t>(r0) * wstride;
           const auto key = [k0](int k) { return k0 + k; };
-          with_column_vectors(nv, [&](auto cv) {
-            add_keys_to_row_block<decltype(cv)::value>(rr, acc, wt, wstride, key, n, v, step);
+          with_slice(nv, [&](auto cv, auto pairs) {
+            add_keys_to_row_block<decltype(cv)::value, decltype(pairs)::value>(rr, acc, wt, wstride, key, n, v, step);
           });
           r0 += rr;
         }
@@ -948,8 +999,8 @@ class decode_pass : public kernel<T> {
           float* acc = ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_ + c * lanes_;
           const float* wt = weights + static_cast<std::int64_t>(r0) * wstride;
           const T* base = v + c * lanes_;
-          with_column_vectors(std::min(cmax, nv - c), [&](auto cv) {
-            add_keys_to_row_block<decltype(cv)::value>(rr, acc, wt, wstride, key, n, base, step);
+          with_slice(std::min(cmax, nv - c), [&](auto cv, auto pairs) {
+            add_keys_to_row_block<decltype(cv)::value, decltype(pairs)::value>(rr, acc, wt, wstride, key, n, base, step);
           });
         }
         r0 += rr;
@@ -960,6 +1011,67 @@ class decode_pass : public kernel<T> {
     if (all_finite(ws.acc.ptr, acc_floats)) return true;
     std::copy(ws.acc_saved.ptr, ws.acc_saved.ptr + acc_floats, ws.acc.ptr);
     return false;
+  }
+
+  /// The pair layout (pairs_) of the 2 L bf16 values at @p src (L lanes): @p even gets the values
+  /// at even offsets, @p odd those at odd offsets, as fp32. Each 32-bit lane of one load holds two
+  /// values, the even one in its low half (little-endian): shifted up by 16 bits it is that value
+  /// in fp32, and the lane with its low half cleared is the odd one. Two integer operations per 2 L
+  /// values, where PromoteTo takes a widening load and a shift per L: on Zen 3 both of those run
+  /// on the two vector pipes that also do half the FMAs, and a bf16 decode step is bound by its
+  /// arithmetic more than an fp32 one (docs/benchmarks.md, "Zen 3: decode").
+  /// Returns the bits loaded.
+  static HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> load_pair(const T* src, VF& even, VF& odd) {
+    static_assert(std::endian::native == std::endian::little, "the even value in the low half");
+    const DF d;
+    const hn::RebindToUnsigned<DF> du;
+    const auto both = hn::LoadU(du, reinterpret_cast<const std::uint32_t*>(src));
+    even = hn::BitCast(d, hn::ShiftLeft<16>(both));
+    odd = hn::BitCast(d, hn::And(both, hn::Set(du, 0xffff0000u)));
+    return both;
+  }
+
+  /// @p src (dp_ floats in column order) into the pair layout at @p dst (which may be @p src).
+  void to_pairs(const float* src, float* dst) const {
+    constexpr int kMax = static_cast<int>(hn::MaxLanes(DF()));
+    float block[2 * kMax];
+    for (int c0 = 0; c0 < dp_; c0 += 2 * lanes_) {
+      std::copy(src + c0, src + c0 + 2 * lanes_, block);
+      for (int i = 0; i < lanes_; ++i) {
+        dst[c0 + i] = block[2 * i];
+        dst[c0 + lanes_ + i] = block[2 * i + 1];
+      }
+    }
+  }
+
+  /// @p src (dp_ floats in the pair layout) in column order at @p dst (another row).
+  void from_pairs(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst) const {
+    for (int c0 = 0; c0 < dp_; c0 += 2 * lanes_) {
+      for (int i = 0; i < lanes_; ++i) {
+        dst[c0 + 2 * i] = src[c0 + i];
+        dst[c0 + 2 * i + 1] = src[c0 + lanes_ + i];
+      }
+    }
+  }
+
+  /// Calls f(std::integral_constant<int, C>(), std::bool_constant<P>()) for a slice of @p nv column
+  /// vectors of V: C = min(8, nv) as with_column_vectors, P = pairs_ (the slice read in the pair
+  /// layout). Under pairs_ every slice has an even width (rows have an even number of vectors,
+  /// slices are 8 vectors but a row's last, or key_major_accumulate's even block_columns).
+  template <typename F>
+  HWY_INLINE void with_slice(int nv, const F& f) const {
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      if (pairs_) {
+        switch (std::min(8, nv)) {
+          case 2: f(std::integral_constant<int, 2>(), std::true_type()); return;
+          case 4: f(std::integral_constant<int, 4>(), std::true_type()); return;
+          case 6: f(std::integral_constant<int, 6>(), std::true_type()); return;
+          case 8: f(std::integral_constant<int, 8>(), std::true_type()); return;
+          default: HWY_ABORT("dfss decode: a slice of %d vectors in the pair layout", nv);
+        }
+      }
+    }
+    with_column_vectors(nv, [&](auto c) { f(c, std::false_type()); });
   }
 
   /// One load per cache line of the @p n V rows base + key(k) * step, k = 0, 1, ... (OR-ed into a
@@ -993,23 +1105,36 @@ class decode_pass : public kernel<T> {
     return ok;
   }
 
+  /// The C vectors of V at @p src: in the pair layout (load_pair) when P, else in column order.
+  template <int C, bool P>
+  static HWY_INLINE void load_vectors(const T* HWY_RESTRICT src, VF (&x)[C]) {
+    constexpr std::int64_t L = static_cast<std::int64_t>(hn::MaxLanes(DF()));  // fixed-width targets only
+    if constexpr (P) {
+      static_assert(std::is_same_v<T, bfloat16> && C % 2 == 0, "pairs of bf16 vectors");
+      for (int c = 0; c < C; c += 2) load_pair(src + c * L, x[c], x[c + 1]);
+    } else {
+      for (int c = 0; c < C; ++c) x[c] = base::load_value(src + c * L);
+    }
+  }
+
   /// add_keys_to_rows for @p rows (4, 2 or 1) rows.
-  template <int C, typename Key>
+  template <int C, bool P, typename Key>
   HWY_INLINE void add_keys_to_row_block(int rows, float* HWY_RESTRICT acc, const float* HWY_RESTRICT wt,
                                         std::int64_t wstride, const Key& key, int n, const T* HWY_RESTRICT base,
                                         std::int64_t step) const {
     if (rows == 4) {
-      add_keys_to_rows<4, C>(acc, wt, wstride, key, n, base, step);
+      add_keys_to_rows<4, C, P>(acc, wt, wstride, key, n, base, step);
     } else if (rows == 2) {
-      add_keys_to_rows<2, C>(acc, wt, wstride, key, n, base, step);
+      add_keys_to_rows<2, C, P>(acc, wt, wstride, key, n, base, step);
     } else {
-      add_keys_to_rows<1, C>(acc, wt, wstride, key, n, base, step);
+      add_keys_to_rows<1, C, P>(acc, wt, wstride, key, n, base, step);
     }
   }
 
   /// acc row r (stride dp), columns [0, C vectors) += sum over the @p n keys t = key(k), k in
-  /// increasing order, of wt[r * wstride + t] * V row t (at base + t * step), for R rows.
-  template <int R, int C, typename Key>
+  /// increasing order, of wt[r * wstride + t] * V row t (at base + t * step), for R rows; V read
+  /// in the pair layout when P (load_vectors).
+  template <int R, int C, bool P, typename Key>
   HWY_INLINE void add_keys_to_rows(float* HWY_RESTRICT acc, const float* HWY_RESTRICT wt, std::int64_t wstride,
                                    const Key& key, int n, const T* HWY_RESTRICT base, std::int64_t step) const {
     const DF d;
@@ -1020,9 +1145,8 @@ class decode_pass : public kernel<T> {
     }
     for (int k = 0; k < n; ++k) {
       const std::int64_t t = key(k);
-      const T* src = base + t * step;
       VF x[C];
-      for (int c = 0; c < C; ++c) x[c] = this->load_value(src + c * L);
+      load_vectors<C, P>(base + t * step, x);
       for (int r = 0; r < R; ++r) {
         const VF w = hn::Set(d, wt[r * wstride + t]);
         for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(w, x[c], a[r][c]);
@@ -1033,17 +1157,19 @@ class decode_pass : public kernel<T> {
     }
   }
 
-  /// acc[0, NV vectors) += sum over k < n of wt[k] * row(k), keys in slot order (add_rows' order).
-  template <int NV, typename Row>
+  /// acc[0, NV vectors) += sum over k < n of wt[k] * row(k), keys in slot order (add_rows' order);
+  /// V read in the pair layout when P (load_vectors).
+  template <int NV, bool P, typename Row>
   HWY_INLINE void add_cache_rows(float* HWY_RESTRICT acc, int n, const float* HWY_RESTRICT wt, const Row& row) const {
     const DF d;
     constexpr std::int64_t L = static_cast<std::int64_t>(hn::MaxLanes(DF()));  // fixed-width targets only
     VF a[NV];
     for (int x = 0; x < NV; ++x) a[x] = hn::Load(d, acc + x * L);
     for (int k = 0; k < n; ++k) {
-      const T* src = row(k);
+      VF v[NV];
+      load_vectors<NV, P>(row(k), v);
       const VF w = hn::Set(d, wt[k]);
-      for (int x = 0; x < NV; ++x) a[x] = hn::MulAdd(w, this->load_value(src + x * L), a[x]);
+      for (int x = 0; x < NV; ++x) a[x] = hn::MulAdd(w, v[x], a[x]);
     }
     for (int x = 0; x < NV; ++x) hn::Store(a[x], d, acc + x * L);
   }
@@ -1218,6 +1344,11 @@ class decode_pass : public kernel<T> {
   /// The direct path's Q K^T by vdpbf16ps (bf16dot::decode_dots): a bf16 cache on avx3_bf16, d a
   /// multiple of 32. Q is bf16 too (the inputs share one type), so its bf16 copy is exact.
   const bool dot_;
+  /// A bf16 cache read in the pair layout (load_pair; the direct path and no vdpbf16ps, an even
+  /// number of vectors per row): in every block of two vectors' columns the even columns come
+  /// first, then the odd ones. The task's accumulators are in it (every P V, direct and panel,
+  /// adds rows in it) and are put back in column order as the task ends (from_pairs).
+  const bool pairs_;
 };
 
 /// The decode forward has one instance per Highway target; avx3_bf16 runs the avx3 one with the

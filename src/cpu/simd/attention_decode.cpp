@@ -821,14 +821,22 @@ class decode_pass : public kernel<T> {
       // accumulator comes out non-finite is redone by index, where only its kept rows count.
       const bool every_key = dense_ && n == keys;
       const bool whole = !every_key && 2 * n >= keys;
-      // acc += weight(t) V row t over t < count, rows addressed from the key.
+      // acc += weight(t) V row t over t < count, rows addressed from the key, by blocks of
+      // kKeyMajorBlock keys: where a row is more than one slice of 8 vectors (d = 128 on AVX2),
+      // the later slices read the block's rows from L1 rather than the whole tile's from L2 (a bf16
+      // tile is 64 KiB at d = 128). 2 Zen 3 threads, MHA 32:32, against a sweep of the cache in the
+      // same process, medians of 7 interleaved rounds: bf16 16384 keys dense 0.82 -> 0.87, 1:2
+      // 0.81 -> 0.90; fp32 8192 keys dense 0.81 -> 0.85, 1:2 0.82 -> 0.85.
       const auto by_key = [&](const float* weight, int count) {
-        for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
-          const T* base = v + row0 + c0;
-          with_slice((dp_ - c0) / lanes_, [&](auto nv, auto pairs) {
-            add_keys_to_rows<1, decltype(nv)::value, decltype(pairs)::value>(acc + c0, weight, 0, [](int k) { return k; },
-                                                                             count, base, step);
-          });
+        for (int k0 = 0; k0 < count; k0 += kKeyMajorBlock) {
+          const int nk = std::min(kKeyMajorBlock, count - k0);
+          for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
+            const T* base = v + row0 + c0;
+            with_slice((dp_ - c0) / lanes_, [&](auto nv, auto pairs) {
+              add_keys_to_rows<1, decltype(nv)::value, decltype(pairs)::value>(
+                  acc + c0, weight, 0, [k0](int k) { return k0 + k; }, nk, base, step);
+            });
+          }
         }
       };
       if (every_key) {

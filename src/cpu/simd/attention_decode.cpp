@@ -767,8 +767,12 @@ class decode_pass : public kernel<T> {
       if (used[t] == 0) continue;
       used[t] = 0;
       float* row = vt + static_cast<std::int64_t>(t) * dp_;
-      this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, row);
-      if (pairs_) to_pairs(row, row);  // the accumulators' layout
+      if (pairs_) {  // the accumulators' layout, by way of the (here unused) panel scratch
+        this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, ws.rows.ptr);
+        to_pairs(ws.rows.ptr, row);
+      } else {
+        this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, row);
+      }
     }
     for (int r = 0; r < rows_; ++r) {
       const int n = ws.kept.ptr[parity * rows_mk_ + r];
@@ -1039,29 +1043,6 @@ class decode_pass : public kernel<T> {
     return both;
   }
 
-  /// @p src (dp_ floats in column order) into the pair layout at @p dst (which may be @p src).
-  void to_pairs(const float* src, float* dst) const {
-    constexpr int kMax = static_cast<int>(hn::MaxLanes(DF()));
-    float block[2 * kMax];
-    for (int c0 = 0; c0 < dp_; c0 += 2 * lanes_) {
-      std::copy(src + c0, src + c0 + 2 * lanes_, block);
-      for (int i = 0; i < lanes_; ++i) {
-        dst[c0 + i] = block[2 * i];
-        dst[c0 + lanes_ + i] = block[2 * i + 1];
-      }
-    }
-  }
-
-  /// @p src (dp_ floats in the pair layout) in column order at @p dst (another row).
-  void from_pairs(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst) const {
-    for (int c0 = 0; c0 < dp_; c0 += 2 * lanes_) {
-      for (int i = 0; i < lanes_; ++i) {
-        dst[c0 + 2 * i] = src[c0 + i];
-        dst[c0 + 2 * i + 1] = src[c0 + lanes_ + i];
-      }
-    }
-  }
-
   /// Calls f(std::integral_constant<int, C>(), std::bool_constant<P>()) for a slice of @p nv column
   /// vectors of V: C = min(8, nv) as with_column_vectors, P = pairs_ (the slice read in the pair
   /// layout). Under pairs_ every slice has an even width (rows have an even number of vectors,
@@ -1182,6 +1163,26 @@ class decode_pass : public kernel<T> {
     for (int x = 0; x < NV; ++x) hn::Store(a[x], d, acc + x * L);
   }
 #endif
+
+  /// @p src (dp_ floats in column order) into the pair layout (pairs_) at @p dst (another row).
+  void to_pairs(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst) const {
+    for (int c0 = 0; c0 < dp_; c0 += 2 * lanes_) {
+      for (int i = 0; i < lanes_; ++i) {
+        dst[c0 + i] = src[c0 + 2 * i];
+        dst[c0 + lanes_ + i] = src[c0 + 2 * i + 1];
+      }
+    }
+  }
+
+  /// @p src (dp_ floats in the pair layout) in column order at @p dst (another row).
+  void from_pairs(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst) const {
+    for (int c0 = 0; c0 < dp_; c0 += 2 * lanes_) {
+      for (int i = 0; i < lanes_; ++i) {
+        dst[c0 + 2 * i] = src[c0 + i];
+        dst[c0 + 2 * i + 1] = src[c0 + lanes_ + i];
+      }
+    }
+  }
 
   float* slot_val(decode_workspace& ws, int parity, int r) const {
     return ws.cv.ptr + (static_cast<std::int64_t>(parity) * rows_mk_ + r) * cstride_;

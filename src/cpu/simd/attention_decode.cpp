@@ -1031,7 +1031,8 @@ class decode_pass : public kernel<T> {
   /// in fp32, and the lane with its low half cleared is the odd one. Two integer operations per 2 L
   /// values, where PromoteTo takes a widening load and a shift per L: on Zen 3 both of those run
   /// on the two vector pipes that also do half the FMAs, and a bf16 decode step is bound by its
-  /// arithmetic more than an fp32 one (docs/benchmarks.md, "Zen 3: decode").
+  /// arithmetic more than an fp32 one (docs/benchmarks.md, "Zen 3: a bf16 cache in the pair
+  /// layout").
   /// Returns the bits loaded.
   static HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> load_pair(const T* src, VF& even, VF& odd) {
     static_assert(std::endian::native == std::endian::little, "the even value in the low half");

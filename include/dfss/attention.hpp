@@ -53,6 +53,10 @@ const char* cpu_isa_name(cpu_isa isa) noexcept;
 struct cpu_isa_support {
   dfss::cpu_isa isa;
   bool supported;
+  /// Whether cpu_isa::automatic runs it: supported, and not passed over on this CPU (avx3_bf16
+  /// where bf16 dot products are slower than fp32 FMAs, e.g. Intel Sapphire Rapids). Exactly one
+  /// target has it when any is supported: the best.
+  bool automatic = false;
 };
 /// @brief The SIMD targets compiled into this build, best first (e.g. avx3, avx2, sse4 on x86-64;
 /// sve2, sve, neon on AArch64), each with whether this CPU (and OS) runs it.

@@ -53,6 +53,25 @@ bool cpu_has(cpu_feature f) noexcept {
   return ((present >> static_cast<unsigned>(f)) & 1u) != 0;
 }
 
+bool cpu_has_fast_bf16_dot() noexcept {
+  static const bool fast = [] {
+    const bool has = cpu_has(cpu_feature::avx512bf16);
+    if (const char* forced = std::getenv("DFSS_CPU_BF16_DOT"); forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0') {
+      return has && forced[0] == '1';
+    }
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!has || __get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    // "GenuineIntel" in ebx, edx, ecx.
+    const bool intel = ebx == 0x756e6547u && edx == 0x49656e69u && ecx == 0x6c65746eu;
+    return !intel;
+#else
+    return false;
+#endif
+  }();
+  return fast;
+}
+
 bool cpu_splits_512bit_ops() noexcept {
   static const bool split = [] {
     if (const char* forced = std::getenv("DFSS_CPU_SPLIT_512"); forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0') {

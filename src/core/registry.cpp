@@ -39,6 +39,12 @@ const char* simd_lacks(dtype) noexcept {
   return cpu::simd_target_supported(T) ? nullptr : needs_of(T);
 }
 
+/// The automatic rule of SIMD target @p t (kernel_entry::automatic_when): avx3_bf16 only where
+/// the CPU's bf16 dot products are fast.
+constexpr auto automatic_when_of(cpu::simd_target t) noexcept {
+  return t == cpu::simd_target::avx3_bf16 ? &core::cpu_has_fast_bf16_dot : nullptr;
+}
+
 template <cpu::simd_target T>
 status simd_forward(const attention_params& p) noexcept {
   return cpu::fused_forward_simd(p, T);
@@ -59,7 +65,7 @@ status simd_backward(const attention_params& p) noexcept {
 #define DFSS_DECODE_ROW(T, ISA, NAME, KIND, AUTOMATIC)                                                       \
   {.kind = kernel_kind::KIND, .name = "cpu.decode_forward." NAME, .backend = backend::cpu,                    \
    .dir = direction::forward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = AUTOMATIC,                  \
-   .applies = cpu::decode_forward_applies, .dtypes = kHostFloats, .needs = needs_of(T),                        \
+   .automatic_when = automatic_when_of(T), .applies = cpu::decode_forward_applies, .dtypes = kHostFloats, .needs = needs_of(T),                        \
    .cpu_lacks = simd_lacks<T>, .run = simd_decode<T>}
 
 /// The rows of SIMD target @p T: forward and backward under their own cpu_isa value, in the
@@ -68,11 +74,11 @@ status simd_backward(const attention_params& p) noexcept {
 #define DFSS_SIMD_ROWS(T, ISA, NAME, FWD, BWD) DFSS_SIMD_ROWS_PAIRED(T, ISA, NAME, FWD, BWD, FWD)
 #define DFSS_SIMD_ROWS_PAIRED(T, ISA, NAME, FWD, BWD, PAIRED)                                                \
   {.kind = kernel_kind::FWD, .name = "cpu.fused_forward." NAME, .backend = backend::cpu,                      \
-   .dir = direction::forward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true, .dtypes = kHostFloats, \
-   .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_forward<T>},                                  \
+   .dir = direction::forward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true,                       \
+   .automatic_when = automatic_when_of(T), .dtypes = kHostFloats, .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_forward<T>},                                  \
   {.kind = kernel_kind::BWD, .name = "cpu.fused_backward." NAME, .backend = backend::cpu,                     \
    .dir = direction::backward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true,                      \
-   .dtypes = kHostFloats, .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_backward<T>,          \
+   .automatic_when = automatic_when_of(T), .dtypes = kHostFloats, .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_backward<T>,          \
    .forward = kernel_kind::PAIRED}
 
 // cpu_isa::portable: the baseline SIMD target of the architecture, under its own kernel names.
@@ -94,7 +100,8 @@ const kernel_entry kKernels[] = {
     // LSE of) the forward of its target.
 #if defined(__x86_64__)
     // avx3_bf16 first: for bf16 inputs its forward runs Q K^T and P V as bf16 dot products (about
-    // 1.5x the avx3 rate, docs/benchmarks.md); f32 and f16 inputs run the avx3 code itself. Its
+    // 1.5x the avx3 rate on Zen 4 and Zen 5, docs/benchmarks.md; automatic only where they are
+    // fast, core::cpu_has_fast_bf16_dot); f32 and f16 inputs run the avx3 code itself. Its
     // backward is the avx3 backward; when the caller gives no O and LSE it gets them from the avx3
     // forward, whose scores and selection are the avx3_bf16 forward's bit for bit (bf16_dot.hpp)
     // but whose P is not rounded to bf16, so the gradients are the avx3 ones. Its decode forward is

@@ -46,6 +46,10 @@ struct kernel_entry {
   bool every_isa = false;
   /// CPU only: a candidate of cpu_isa::automatic; the first runnable candidate in table order runs.
   bool automatic = false;
+  /// CPU only: a candidate of cpu_isa::automatic only where this holds on this CPU (null: always),
+  /// for a target that runs but is not the fastest there (avx3_bf16 where bf16 dot products are
+  /// slow: core::cpu_has_fast_bf16_dot). A request by name still gets it.
+  bool (*automatic_when)() noexcept = nullptr;
   /// Only for the shapes where applies(p) holds (null: every shape), a rule of the shape alone: the
   /// decode kernels, for few query rows. The selector skips a row whose rule does not hold.
   bool (*applies)(const attention_params& p) noexcept = nullptr;

@@ -62,7 +62,8 @@ kernel_selection select_cpu(const attention_params& p, const attention_config& c
   }
   if (c.cpu_isa == cpu_isa::automatic) {
     const kernel_entry* e = first(backend::cpu, dir, [&](const kernel_entry& x) {
-      return of_algorithm(x) && x.automatic && (x.cpu_lacks == nullptr || x.cpu_lacks(t) == nullptr);
+      return of_algorithm(x) && x.automatic && (x.automatic_when == nullptr || x.automatic_when()) &&
+             (x.cpu_lacks == nullptr || x.cpu_lacks(t) == nullptr);
     });
     if (e != nullptr) return make(*e);
     return reject(backend::cpu, "no cpu kernel of this build runs on this CPU");

@@ -368,7 +368,7 @@ int main() {
   for (const dfss::cpu_isa_support& t : dfss::cpu_simd_isas()) {
     std::printf("target %s: %s\n", dfss::cpu_isa_name(t.isa), t.supported ? "supported, checking" : "not supported here");
     if (!t.supported) continue;
-    if (best.empty()) best = std::string("cpu.decode_forward.") + dfss::cpu_isa_name(t.isa);
+    if (t.automatic) best = std::string("cpu.decode_forward.") + dfss::cpu_isa_name(t.isa);
     g_isa = t.isa;
     const int before = failed;
     const auto start = std::chrono::steady_clock::now();

@@ -18,6 +18,10 @@
 
 #include "dfss/dfss.hpp"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace dfss::testing {
 
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -284,16 +288,39 @@ inline std::string cpu_isa_label(cpu_isa isa) {
   return s;
 }
 
+/// The target cpu_isa::automatic runs on this machine, by the tests' own rule: the first runnable
+/// SIMD target, except avx3_bf16 on an Intel CPU (its bf16 dot products are slower than fp32 FMAs
+/// there: the next target, avx3) unless DFSS_CPU_BF16_DOT = 0 or 1 says otherwise; generic when
+/// no SIMD target runs.
+inline cpu_isa automatic_cpu_isa() {
+  for (const cpu_isa_support& t : cpu_simd_isas()) {
+    if (!t.supported) continue;
+    if (t.isa != cpu_isa::avx3_bf16) return t.isa;
+    bool fast = true;
+    const char* forced = std::getenv("DFSS_CPU_BF16_DOT");
+    if (forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0') {
+      fast = forced[0] == '1';
+    } else {
+#if defined(__x86_64__) || defined(__i386__)
+      unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+      __get_cpuid(0, &eax, &ebx, &ecx, &edx);
+      const char vendor[13] = {static_cast<char>(ebx), static_cast<char>(ebx >> 8), static_cast<char>(ebx >> 16),
+                               static_cast<char>(ebx >> 24), static_cast<char>(edx), static_cast<char>(edx >> 8),
+                               static_cast<char>(edx >> 16), static_cast<char>(edx >> 24), static_cast<char>(ecx),
+                               static_cast<char>(ecx >> 8), static_cast<char>(ecx >> 16), static_cast<char>(ecx >> 24), 0};
+      fast = std::string(vendor) != "GenuineIntel";
+#endif
+    }
+    if (fast) return t.isa;
+  }
+  return cpu_isa::generic;
+}
+
 /// Whether the forward on @p isa rounds P to bf16 for @p t inputs: the avx3_bf16 target's bf16 dot
-/// products (docs/semantics.md, "Precision"), which automatic picks where the CPU runs them.
+/// products (docs/semantics.md, "Precision"), which automatic picks where the CPU runs them fast.
 inline bool forward_rounds_p_to_bf16(cpu_isa isa, dtype t) {
   if (t != dtype::bf16) return false;
-  if (isa == cpu_isa::automatic) {
-    for (const cpu_isa_support& s : cpu_simd_isas()) {
-      if (s.supported) return s.isa == cpu_isa::avx3_bf16;  // the best runnable target
-    }
-    return false;
-  }
+  if (isa == cpu_isa::automatic) return automatic_cpu_isa() == cpu_isa::avx3_bf16;
   return isa == cpu_isa::avx3_bf16;
 }
 

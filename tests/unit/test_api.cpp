@@ -276,14 +276,21 @@ TEST(Api, SelectorAnswersSupportAndWhatRuns) {
   attention_config cfg;
   auto s = select_kernel(fx.f, cfg);
   EXPECT_TRUE(s.supported());
-  // automatic: the best SIMD target this CPU runs (the first runnable one of the library's list),
-  // the scalar twin when there is none.
-  const auto runnable = testing::runnable_cpu_isas();
+  // automatic: the best SIMD target this CPU runs (testing::automatic_cpu_isa), the scalar twin
+  // when there is none.
   // The fixture has Lq = 5 query rows, so a SIMD target runs its decode forward
   // (cpu::kDecodeMaxQueryRows; test_cpu_decode.cpp checks the rule on both sides).
-  const cpu_isa best = runnable.size() > 2 ? runnable[2] : cpu_isa::generic;
+  const cpu_isa best = testing::automatic_cpu_isa();
   EXPECT_EQ(s.name, best == cpu_isa::generic ? testing::fused_kernel_name(best, true)
                                              : std::string("cpu.decode_forward.") + cpu_isa_name(best));
+  // The library's own answer agrees: exactly one target is marked automatic, the same one.
+  int marked = 0;
+  for (const cpu_isa_support& t : cpu_simd_isas()) {
+    if (!t.automatic) continue;
+    ++marked;
+    EXPECT_EQ(t.isa, best);
+  }
+  EXPECT_EQ(marked, best == cpu_isa::generic ? 0 : 1);
   cfg.cpu_isa = cpu_isa::generic;
   EXPECT_EQ(select_kernel(fx.f, cfg).name, "cpu.fused_forward.scalar");
   cfg.cpu_isa = cpu_isa::avx2;  // without AVX2 the automatic backend falls back to the reference

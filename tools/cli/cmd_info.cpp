@@ -39,14 +39,16 @@ int run_info() {
   print_list("backends:           ", info.backends, "(none)");
   print_list("cpu features:       ", info.cpu_features, "(none detected)");
   // The SIMD targets of the CPU kernels (names --isa accepts), best first; "automatic" runs the
-  // first one this CPU supports.
-  std::vector<std::string> compiled, runnable;
+  // best one this CPU supports, but for avx3_bf16 where its bf16 dot products are slow.
+  std::vector<std::string> compiled, runnable, automatic;
   for (const cpu_isa_support& t : cpu_simd_isas()) {
     compiled.emplace_back(cpu_isa_name(t.isa));
     if (t.supported) runnable.emplace_back(cpu_isa_name(t.isa));
+    if (t.automatic) automatic.emplace_back(cpu_isa_name(t.isa));
   }
   print_list("cpu isas compiled:  ", compiled, "(none: the generic kernel only)");
   print_list("cpu isas runnable:  ", runnable, "(none: the generic kernel only)");
+  print_list("cpu isa automatic:  ", automatic, "(none: the generic kernel)");
   print_list("cuda architectures: ", info.cuda_architectures, "(built without CUDA)");
   std::cout << "threads:            " << omp_get_max_threads() << "\n";
   std::cout << "compiler:           " << info.compiler << "\n";

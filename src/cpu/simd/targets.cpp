@@ -86,7 +86,14 @@ namespace dfss {
 
 std::vector<cpu_isa_support> cpu_simd_isas() {
   std::vector<cpu_isa_support> out;
-  for (cpu::simd_target t : cpu::compiled_simd_targets()) out.push_back({cpu::cpu_isa_of(t), cpu::simd_target_supported(t)});
+  bool picked = false;
+  for (cpu::simd_target t : cpu::compiled_simd_targets()) {
+    const bool supported = cpu::simd_target_supported(t);
+    // The selector's rule (kernel_entry::automatic_when): avx3_bf16 only where its dot products are fast.
+    const bool automatic = !picked && supported && (t != cpu::simd_target::avx3_bf16 || core::cpu_has_fast_bf16_dot());
+    picked = picked || automatic;
+    out.push_back({cpu::cpu_isa_of(t), supported, automatic});
+  }
   return out;
 }
 

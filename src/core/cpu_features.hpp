@@ -25,8 +25,8 @@ bool cpu_splits_512bit_ops() noexcept;
 /// @brief Whether this CPU has AVX512_BF16 and its bf16 dot products (vdpbf16ps) are faster than
 /// fp32 FMAs on widened values: AMD's (Zen 4, Zen 5: the avx3_bf16 forward about 1.5x the avx3
 /// one), not Intel's (Sapphire Rapids: one core issued 1.1 vdpbf16ps per ns against 4.1 fp32 FMAs,
-/// so half the products per second, and the avx3_bf16 forward measured 1.7x slower than the avx3
-/// one, docs/benchmarks.md). Decides whether cpu_isa::automatic picks avx3_bf16. The environment
+/// so half the products per second, and the avx3_bf16 forward took 1.25x to 1.8x the avx3 one's
+/// time, docs/benchmarks.md). Decides whether cpu_isa::automatic picks avx3_bf16. The environment
 /// variable DFSS_CPU_BF16_DOT = 0 or 1, read once, overrides the vendor rule (1 only where the CPU
 /// has AVX512_BF16).
 bool cpu_has_fast_bf16_dot() noexcept;

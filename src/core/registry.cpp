@@ -39,10 +39,10 @@ const char* simd_lacks(dtype) noexcept {
   return cpu::simd_target_supported(T) ? nullptr : needs_of(T);
 }
 
-/// The automatic rule of SIMD target @p t (kernel_entry::automatic_when): avx3_bf16 only where
-/// the CPU's bf16 dot products are fast.
-constexpr auto automatic_when_of(cpu::simd_target t) noexcept {
-  return t == cpu::simd_target::avx3_bf16 ? &core::cpu_has_fast_bf16_dot : nullptr;
+/// The automatic rule of SIMD target @p T (kernel_entry::automatic_when): cpu::simd_target_preferred.
+template <cpu::simd_target T>
+bool simd_preferred() noexcept {
+  return cpu::simd_target_preferred(T);
 }
 
 template <cpu::simd_target T>
@@ -65,8 +65,8 @@ status simd_backward(const attention_params& p) noexcept {
 #define DFSS_DECODE_ROW(T, ISA, NAME, KIND, AUTOMATIC)                                                       \
   {.kind = kernel_kind::KIND, .name = "cpu.decode_forward." NAME, .backend = backend::cpu,                    \
    .dir = direction::forward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = AUTOMATIC,                  \
-   .automatic_when = automatic_when_of(T), .applies = cpu::decode_forward_applies, .dtypes = kHostFloats, .needs = needs_of(T),                        \
-   .cpu_lacks = simd_lacks<T>, .run = simd_decode<T>}
+   .automatic_when = simd_preferred<T>, .applies = cpu::decode_forward_applies, .dtypes = kHostFloats,         \
+   .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_decode<T>}
 
 /// The rows of SIMD target @p T: forward and backward under their own cpu_isa value, in the
 /// automatic preference order of the table; the backward consumes the O and LSE of forward PAIRED
@@ -75,10 +75,12 @@ status simd_backward(const attention_params& p) noexcept {
 #define DFSS_SIMD_ROWS_PAIRED(T, ISA, NAME, FWD, BWD, PAIRED)                                                \
   {.kind = kernel_kind::FWD, .name = "cpu.fused_forward." NAME, .backend = backend::cpu,                      \
    .dir = direction::forward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true,                       \
-   .automatic_when = automatic_when_of(T), .dtypes = kHostFloats, .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_forward<T>},                                  \
+   .automatic_when = simd_preferred<T>, .dtypes = kHostFloats, .needs = needs_of(T),                           \
+   .cpu_lacks = simd_lacks<T>, .run = simd_forward<T>},                                                        \
   {.kind = kernel_kind::BWD, .name = "cpu.fused_backward." NAME, .backend = backend::cpu,                     \
    .dir = direction::backward, .isa = cpu_isa::ISA, .isa_name = NAME, .automatic = true,                      \
-   .automatic_when = automatic_when_of(T), .dtypes = kHostFloats, .needs = needs_of(T), .cpu_lacks = simd_lacks<T>, .run = simd_backward<T>,          \
+   .automatic_when = simd_preferred<T>, .dtypes = kHostFloats, .needs = needs_of(T),                           \
+   .cpu_lacks = simd_lacks<T>, .run = simd_backward<T>,                                                        \
    .forward = kernel_kind::PAIRED}
 
 // cpu_isa::portable: the baseline SIMD target of the architecture, under its own kernel names.

@@ -42,11 +42,15 @@ bool simd_target_supported(simd_target t) noexcept {
   return runs && (t != simd_target::avx3_bf16 || core::cpu_has(core::cpu_feature::avx512bf16));
 }
 
+bool simd_target_preferred(simd_target t) noexcept {
+  return t != simd_target::avx3_bf16 || core::cpu_has_fast_bf16_dot();
+}
+
 std::optional<simd_target> simd_target_of(cpu_isa isa) noexcept {
   switch (isa) {
     case cpu_isa::automatic:
       for (simd_target t : compiled_simd_targets()) {
-        if (simd_target_supported(t)) return t;
+        if (simd_target_supported(t) && simd_target_preferred(t)) return t;
       }
       return std::nullopt;
     case cpu_isa::generic: return std::nullopt;
@@ -89,8 +93,7 @@ std::vector<cpu_isa_support> cpu_simd_isas() {
   bool picked = false;
   for (cpu::simd_target t : cpu::compiled_simd_targets()) {
     const bool supported = cpu::simd_target_supported(t);
-    // The selector's rule (kernel_entry::automatic_when): avx3_bf16 only where its dot products are fast.
-    const bool automatic = !picked && supported && (t != cpu::simd_target::avx3_bf16 || core::cpu_has_fast_bf16_dot());
+    const bool automatic = !picked && supported && cpu::simd_target_preferred(t);
     picked = picked || automatic;
     out.push_back({cpu::cpu_isa_of(t), supported, automatic});
   }

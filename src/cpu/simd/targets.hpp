@@ -45,7 +45,13 @@ std::vector<simd_target> compiled_simd_targets();
 /// @brief Whether this build compiled @p t and this CPU (and OS) can run it (hwy::SupportedTargets).
 bool simd_target_supported(simd_target t) noexcept;
 
-/// @brief The target a cpu_isa value runs: automatic -> the best supported target, portable -> the
+/// @brief Whether cpu_isa::automatic may take target @p t on this CPU where it is supported: every
+/// target but avx3_bf16 where the CPU's bf16 dot products are slow (core::cpu_has_fast_bf16_dot).
+/// The one rule behind the registry rows' automatic_when and cpu_isa_support::automatic.
+bool simd_target_preferred(simd_target t) noexcept;
+
+/// @brief The target a cpu_isa value runs: automatic -> the best supported and preferred target
+/// (simd_target_preferred), portable -> the
 /// baseline (sse4 on x86-64, neon on AArch64), avx2, sse4, avx3, ... -> themselves; generic (the
 /// scalar twin) and values naming another architecture -> nullopt. Does not check CPU support.
 std::optional<simd_target> simd_target_of(cpu_isa isa) noexcept;

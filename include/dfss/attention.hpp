@@ -59,7 +59,8 @@ struct cpu_isa_support {
   bool automatic = false;
 };
 /// @brief The SIMD targets compiled into this build, best first (e.g. avx3, avx2, sse4 on x86-64;
-/// sve2, sve, neon on AArch64), each with whether this CPU (and OS) runs it.
+/// sve2, sve, neon on AArch64), each with whether this CPU (and OS) runs it and whether
+/// cpu_isa::automatic does.
 std::vector<cpu_isa_support> cpu_simd_isas();
 
 /// @brief Largest attention_config::num_threads. OpenMP runtimes fail badly rather than cleanly on

@@ -41,6 +41,13 @@ bool detect(cpu_feature f) noexcept {
 #endif
 }
 
+/// The value of environment variable @p name when it is exactly "0" or "1" (a forced answer of
+/// the detections below), else -1.
+int forced_answer(const char* name) noexcept {
+  const char* v = std::getenv(name);
+  return v != nullptr && (v[0] == '0' || v[0] == '1') && v[1] == '\0' ? v[0] - '0' : -1;
+}
+
 }  // namespace
 
 bool cpu_has(cpu_feature f) noexcept {
@@ -56,9 +63,7 @@ bool cpu_has(cpu_feature f) noexcept {
 bool cpu_has_fast_bf16_dot() noexcept {
   static const bool fast = [] {
     const bool has = cpu_has(cpu_feature::avx512bf16);
-    if (const char* forced = std::getenv("DFSS_CPU_BF16_DOT"); forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0') {
-      return has && forced[0] == '1';
-    }
+    if (const int forced = forced_answer("DFSS_CPU_BF16_DOT"); forced >= 0) return has && forced == 1;
 #if defined(__x86_64__) || defined(__i386__)
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!has || __get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
@@ -74,9 +79,7 @@ bool cpu_has_fast_bf16_dot() noexcept {
 
 bool cpu_splits_512bit_ops() noexcept {
   static const bool split = [] {
-    if (const char* forced = std::getenv("DFSS_CPU_SPLIT_512"); forced != nullptr && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0') {
-      return forced[0] == '1';
-    }
+    if (const int forced = forced_answer("DFSS_CPU_SPLIT_512"); forced >= 0) return forced == 1;
 #if defined(__x86_64__) || defined(__i386__)
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!cpu_has(cpu_feature::avx512f) || __get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;

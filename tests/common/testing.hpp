@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <cstdint>
 #include <limits>
@@ -304,11 +305,11 @@ inline cpu_isa automatic_cpu_isa() {
 #if defined(__x86_64__) || defined(__i386__)
       unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
       __get_cpuid(0, &eax, &ebx, &ecx, &edx);
-      const char vendor[13] = {static_cast<char>(ebx), static_cast<char>(ebx >> 8), static_cast<char>(ebx >> 16),
-                               static_cast<char>(ebx >> 24), static_cast<char>(edx), static_cast<char>(edx >> 8),
-                               static_cast<char>(edx >> 16), static_cast<char>(edx >> 24), static_cast<char>(ecx),
-                               static_cast<char>(ecx >> 8), static_cast<char>(ecx >> 16), static_cast<char>(ecx >> 24), 0};
-      fast = std::string(vendor) != "GenuineIntel";
+      char vendor[12];
+      std::memcpy(vendor, &ebx, 4);
+      std::memcpy(vendor + 4, &edx, 4);
+      std::memcpy(vendor + 8, &ecx, 4);
+      fast = std::string(vendor, 12) != "GenuineIntel";
 #endif
     }
     if (fast) return t.isa;

@@ -6,13 +6,39 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace dfss::core {
 namespace {
 
 constexpr cpu_feature kAll[] = {cpu_feature::sse4_2,  cpu_feature::avx,      cpu_feature::avx2,
                                 cpu_feature::fma,     cpu_feature::f16c,     cpu_feature::avx512f,
-                                cpu_feature::avx512bw, cpu_feature::avx512bf16, cpu_feature::neon};
+                                cpu_feature::avx512bw, cpu_feature::avx512bf16, cpu_feature::neon,
+                                cpu_feature::amx_bf16};
+
+/// AMX-TILE and AMX-BF16 in cpuid, the tile state (XCR0 bits 17 and 18) enabled by the OS, and on
+/// Linux the process's permission to use it, requested here (arch_prctl ARCH_REQ_XCOMP_PERM for
+/// XFEATURE_XTILEDATA, kernel 5.16 and later): without it the first tile instruction faults.
+bool detect_amx() noexcept {
+#if defined(__linux__) && defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0 || (ecx & bit_OSXSAVE) == 0) return false;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+  if ((edx & kAmxBf16) == 0 || (edx & kAmxTile) == 0) return false;
+  unsigned lo = 0, hi = 0;
+  asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  constexpr unsigned kTileState = (1u << 17) | (1u << 18);
+  if ((lo & kTileState) != kTileState) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 bool detect(cpu_feature f) noexcept {
 #if defined(__x86_64__) || defined(__i386__)
@@ -31,6 +57,7 @@ bool detect(cpu_feature f) noexcept {
     case cpu_feature::avx512bw: return __builtin_cpu_supports("avx512bw") != 0;
     case cpu_feature::avx512bf16: return __builtin_cpu_supports("avx512bf16") != 0;
     case cpu_feature::neon: return false;
+    case cpu_feature::amx_bf16: return detect_amx();
   }
   return false;
 #elif defined(__aarch64__)
@@ -77,6 +104,15 @@ bool cpu_has_fast_bf16_dot() noexcept {
   return fast;
 }
 
+bool cpu_uses_amx() noexcept {
+  static const bool use = [] {
+    const bool has = cpu_has(cpu_feature::amx_bf16);
+    if (const int forced = forced_answer("DFSS_CPU_AMX"); forced >= 0) return has && forced == 1;
+    return has;
+  }();
+  return use;
+}
+
 bool cpu_splits_512bit_ops() noexcept {
   static const bool split = [] {
     if (const int forced = forced_answer("DFSS_CPU_SPLIT_512"); forced >= 0) return forced == 1;
@@ -107,6 +143,7 @@ const char* cpu_feature_name(cpu_feature f) noexcept {
     case cpu_feature::avx512bw: return "avx512bw";
     case cpu_feature::avx512bf16: return "avx512bf16";
     case cpu_feature::neon: return "neon";
+    case cpu_feature::amx_bf16: return "amx-bf16";
   }
   return "unknown";
 }

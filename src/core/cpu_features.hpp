@@ -10,7 +10,9 @@
 namespace dfss::core {
 
 /// @brief The SIMD features the kernels or `dfss info` care about.
-enum class cpu_feature { sse4_2, avx, avx2, fma, f16c, avx512f, avx512bw, avx512bf16, neon };
+/// amx_bf16: the AMX tile registers with their bf16 dot products (cpuid's AMX-TILE and AMX-BF16,
+/// the OS's XCR0 tile state, and Linux's per-process permission, which the detection requests).
+enum class cpu_feature { sse4_2, avx, avx2, fma, f16c, avx512f, avx512bw, avx512bf16, neon, amx_bf16 };
 
 /// @brief Whether this CPU reports @p f and the OS enables it. Detected once, then cached.
 bool cpu_has(cpu_feature f) noexcept;
@@ -30,6 +32,12 @@ bool cpu_splits_512bit_ops() noexcept;
 /// variable DFSS_CPU_BF16_DOT = 0 or 1, read once, overrides the vendor rule (1 only where the CPU
 /// has AVX512_BF16).
 bool cpu_has_fast_bf16_dot() noexcept;
+
+/// @brief Whether the fused forward computes a bf16 call's Q K^T on the AMX tiles (tdpbf16ps):
+/// where the CPU has cpu_feature::amx_bf16 (Sapphire Rapids and later Intel Xeons; one tile
+/// instruction does 16 x 16 x 32 products). The environment variable DFSS_CPU_AMX = 0 or 1, read
+/// once, overrides it (1 only where the CPU has AMX), so that tests and benchmarks run both paths.
+bool cpu_uses_amx() noexcept;
 
 /// @brief Lower-case name of @p f as `dfss info` prints it, e.g. "sse4.2", "avx2", "f16c".
 const char* cpu_feature_name(cpu_feature f) noexcept;

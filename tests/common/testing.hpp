@@ -317,6 +317,22 @@ inline cpu_isa automatic_cpu_isa() {
   return cpu_isa::generic;
 }
 
+/// Whether the avx3 forward scores bf16 inputs on AMX tiles in this process, by the test's own
+/// reading of the CPU: cpuid's AMX-TILE and AMX-BF16 (leaf 7, EDX bits 24 and 22), unless
+/// DFSS_CPU_AMX is 0 (core::cpu_uses_amx; a build whose compiler lacks the flags has no AMX path,
+/// which this does not see).
+inline bool avx3_scores_on_amx() {
+  const char* forced = std::getenv("DFSS_CPU_AMX");
+  if (forced != nullptr && forced[0] == '0' && forced[1] == '\0') return false;
+#if defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return (edx & (1u << 24)) != 0 && (edx & (1u << 22)) != 0;
+#else
+  return false;
+#endif
+}
+
 /// Whether the forward on @p isa rounds P to bf16 for @p t inputs: the avx3_bf16 target's bf16 dot
 /// products (docs/semantics.md, "Precision"), which automatic picks where the CPU runs them fast.
 inline bool forward_rounds_p_to_bf16(cpu_isa isa, dtype t) {

@@ -363,6 +363,7 @@ TEST(Cpu, Bf16DotScoresAreTheFp32Scores) {
   // be bitwise avx3's: a different score or kept set would change it. d not a multiple of 32
   // exercises the tail paths of the packing.
   if (!bf16_dot_runs()) GTEST_SKIP() << "this CPU or build has no avx3_bf16";
+  if (avx3_scores_on_amx()) GTEST_SKIP() << "avx3 scores bf16 on AMX tiles here (CTest cpu_forward_amx_0 reruns this without)";
   std::mt19937_64 rng(test_seed() + 18);
   int variant = 0;
   for (std::int64_t d : {16, 48, 64, 80, 128, 5}) {
@@ -377,6 +378,46 @@ TEST(Cpu, Bf16DotScoresAreTheFp32Scores) {
       const auto dot = run_forward(pr, bf16_options(cpu_isa::avx3_bf16));
       EXPECT_TRUE(same_bits(fp32.lse, dot.lse)) << pr.describe();
     }
+  }
+}
+
+TEST(Cpu, AmxKeepsTheFp32Selection) {
+  // On a CPU with AMX (and DFSS_CPU_AMX not 0) the avx3 forward scores bf16 inputs on the AMX tiles,
+  // whose sums round otherwise than the fp32 micro-kernel; settle_near_ties must still keep exactly
+  // the micro-kernel's keys, here avx2's (the same FMA chain over the same columns). Near ties
+  // decided by rounding everywhere: the keys of a group share a random row but for one small column
+  // (2^-12 (1 + n / 128), n random), so their scores (about 128) differ by q 2^-19 n, about the
+  // sums' rounding. V = I (d >= Lk) makes O's row i P_i itself: nonzero exactly at the kept keys.
+  // Lq = 40: a task of 32 rows (two row tiles) and one of 8; Lk = 120: a last partial panel.
+  const auto isas = runnable_isas();
+  const auto runs = [&](cpu_isa isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
+  if (!runs(cpu_isa::avx2) || !runs(cpu_isa::avx3)) GTEST_SKIP() << "this CPU runs avx2 or avx3 not";
+  std::mt19937_64 rng(test_seed() + 21);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  std::uniform_int_distribution<int> n128(0, 127);
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 8}}) {
+    problem pr;
+    pr.B = 1, pr.Lq = 40, pr.Lk = 120, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
+    pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
+    pr.k.resize(static_cast<std::size_t>(pr.kv_numel()));
+    pr.v.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
+    for (auto& x : pr.q) x = u(rng);
+    for (std::int64_t g = 0; g < pr.Lk / pat.m; ++g) {
+      std::vector<double> base(static_cast<std::size_t>(pr.d));
+      for (auto& x : base) x = u(rng);
+      const auto small = static_cast<std::size_t>(rng() % static_cast<std::uint64_t>(pr.d));
+      for (std::int64_t j = g * pat.m; j < (g + 1) * pat.m; ++j) {
+        for (std::int64_t c = 0; c < pr.d; ++c) pr.k[static_cast<std::size_t>(j * pr.d + c)] = base[static_cast<std::size_t>(c)];
+        pr.k[static_cast<std::size_t>(j * pr.d) + small] = std::ldexp(1.0 + n128(rng) / 128.0, -12);
+        pr.v[static_cast<std::size_t>(j * pr.d + j)] = 1.0;
+      }
+    }
+    pr = rounded_to_bf16(pr);
+    const auto fp32 = run_forward(pr, bf16_options(cpu_isa::avx2));
+    const auto got = run_forward(pr, bf16_options(cpu_isa::avx3));
+    int differ = 0;
+    for (std::size_t e = 0; e < got.o.size(); ++e) differ += (got.o[e] > 0.0) != (fp32.o[e] > 0.0);
+    EXPECT_EQ(differ, 0) << pr.describe();
   }
 }
 

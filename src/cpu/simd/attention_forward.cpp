@@ -48,6 +48,8 @@ class forward_pass : public kernel<T> {
   forward_pass(const attention_params& p, bool bf16_dot)
       : base(p, min_tile(p, bf16_dot)),
         dot_(uses_dot(bf16_dot)),
+        amx_(uses_amx(p, dot_, dp_)),
+        sparse_(p.pattern_n < p.pattern_m),
         dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && (!dot_ || dense_dot_fits())),
         pair_tiles_(kPairBlocks && !core::cpu_splits_512bit_ops() && p.pattern_n == 1 && p.pattern_m == 2 && !dot_),
         q_tiles_((p.seqlen_q + kRowsPerTask - 1) / kRowsPerTask),
@@ -55,6 +57,15 @@ class forward_pass : public kernel<T> {
         chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)) {}
 
   static constexpr bool uses_dot(bool bf16_dot) { return DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16>; }
+
+  /// Whether Q K^T runs on the AMX tiles (amx_tiles.hpp): bf16 inputs without the vdpbf16ps loops,
+  /// no bias (settle_near_ties bounds the raw scores, and a bias could reorder a group by less than
+  /// that), a padded head dim of whole tile steps, on a CPU with AMX. Per task only where the task's
+  /// scores cannot overflow (not ws.risky); the others take the fp32 micro-kernel.
+  static bool uses_amx(const attention_params& p, bool dot, int dp) {
+    return DFSS_SIMD_AMX && std::is_same_v<T, bfloat16> && !dot && p.bias == nullptr && dp % (2 * amx::kPairs) == 0 &&
+           core::cpu_uses_amx();
+  }
 
   /// The minimum key tile of a call with inputs of type T (@p bf16_dot: see the constructor).
   static int min_tile(const attention_params& p, bool bf16_dot) {
@@ -102,6 +113,7 @@ class forward_pass : public kernel<T> {
             worker_scratch<workspace>().vpair.resize(static_cast<std::size_t>((this->lk_pad_ / 2 + 1) * dp_));
           }
 #endif
+          if (amx_) reserve_amx(worker_scratch<workspace>());
           if (pair_tiles_) worker_scratch<workspace>().vn.resize(static_cast<std::size_t>((p_.seqlen_k / 2 + 1) * dp_));
         },
         [&](std::int64_t u) {
@@ -142,6 +154,8 @@ class forward_pass : public kernel<T> {
   using base::w_;
   using base::zero_row_;
   const bool dot_;
+  /// Q K^T on the AMX tiles (uses_amx), and whether the pattern selects (settle_near_ties then runs).
+  const bool amx_, sparse_;
   /// Dense pattern on a fixed-width target: a key tile that no row masks runs P V as a blocked
   /// product over the task's rows (blocked_values; with the bf16 dot products, bf16dot::pv_tile_rows).
   const bool dense_tiles_;
@@ -195,14 +209,18 @@ class forward_pass : public kernel<T> {
         ws.risky = ws.risky || !this->row_is_tame(q + i * dp_);
         if (dot_) pack_query_row(ws, q, i);
       }
+      if (amx_ && !ws.risky) pack_query_amx(ws, rows_mk);
     }
+    const bool tiles = amx_ && !ws.risky && k0 < tile_end;
+    if (tiles) amx_configure(rows_mk);
     for (std::int64_t j0 = k0; j0 < tile_end; j0 += w_) {
-      scores(ws, rows_mk, j0, tile_end);
+      scores(ws, rows, rows_mk, j0, tile_end);
       // Rows whose P V for this tile is left to blocked_values.
       std::uint32_t blocked = 0;
       for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0, blocked);
       if (blocked != 0) blocked_values(ws, blocked, j0);
     }
+    if (tiles) amx_release();
 
     if (chunks_ == 1) {
       for (int i = 0; i < rows; ++i) {
@@ -441,6 +459,7 @@ class forward_pass : public kernel<T> {
     }
 #endif
     this->pack_head(ws, b, hk, k0, k1);
+    if (amx_ && fresh) pack_keys_amx(ws, k0, k1);
     if (pair_tiles_ && fresh) {
       // blocked_values' odd keys of 1:2 pairs: V row 2 g + 1 negated, as row g of ws.vn.
       const DF d;
@@ -460,17 +479,188 @@ class forward_pass : public kernel<T> {
 #endif
   }
 
-  /// S = Q K^T of the task's query tile and the key tile at @p j0, into ws.s.
+  /// S = Q K^T of the task's query tile (@p rows rows, @p rows_mk with the zero padding) and the key
+  /// tile at @p j0, into ws.s.
   /// The fp32 product stops at the panel that holds key tile_end - 1, the last key any row of the
   /// task sees: the causal diagonal's tile is computed only up to the task's last row (on average
   /// half a tile less per task; 6% of the causal Q K^T at L = 2048 with 128-key tiles). Scores past
   /// it are never read: every row masks them to -inf first (bias_and_mask).
-  void scores(workspace& ws, int rows_mk, std::int64_t j0, std::int64_t tile_end) const {
+  void scores(workspace& ws, int rows, int rows_mk, std::int64_t j0, std::int64_t tile_end) const {
 #if DFSS_SIMD_BF16_DOT
     if (dot_) return bf16dot::qk_tile(ws.qb.ptr, rows_mk, dp_, ws.kb.ptr, j0, w_, ws.s.ptr);
 #endif
     const std::int64_t visible = (tile_end - j0 + panel_ - 1) / panel_ * panel_;
-    this->tile_product(ws.q.ptr, rows_mk, ws.kt.ptr, j0, ws.s.ptr, static_cast<int>(std::min<std::int64_t>(w_, visible)));
+    const int width = static_cast<int>(std::min<std::int64_t>(w_, visible));
+#if DFSS_SIMD_AMX
+    if (amx_ && !ws.risky) {
+      const std::int64_t panel_at = (j0 / panel_) * (dp_ / 2) * panel_;
+      amx::qk_tile(ws.q_amx.ptr, rows_mk, dp_, ws.k_amx.ptr + panel_at, width, w_, ws.s.ptr);
+      if (sparse_) {
+        // sum_c |q_c k_c| of every score, for settle_near_ties' bound: the same product of the
+        // magnitudes (a tenth of the cost of settling against d max|q| max|k|, which made a
+        // quarter of the groups of random 2:4 scores near ties).
+        amx::qk_tile(ws.q_amx_abs.ptr, rows_mk, dp_, ws.k_amx_abs.ptr + panel_at, width, w_, ws.t_amx.ptr);
+        settle_near_ties(ws, rows, j0, width);
+      }
+      return;
+    }
+#else
+    (void)rows;
+#endif
+    this->tile_product(ws.q.ptr, rows_mk, ws.kt.ptr, j0, ws.s.ptr, width);
+  }
+
+  // The Q K^T on AMX tiles (amx_tiles.hpp): packing, and the settling of near ties.
+
+  /// The thread's AMX tiles configured for @p rows rows (amx::configure), and released.
+  static void amx_configure(int rows) {
+#if DFSS_SIMD_AMX
+    amx::configure(rows);
+#else
+    (void)rows;
+#endif
+  }
+  static void amx_release() {
+#if DFSS_SIMD_AMX
+    amx::release();
+#endif
+  }
+
+  /// Sizes the AMX scratch (after reserve).
+  void reserve_amx(workspace& ws) const {
+    const auto panels = static_cast<std::size_t>((this->lk_pad_ / panel_) * (dp_ / 2) * panel_);
+    const auto rows = static_cast<std::size_t>(kRowsPerTask * dp_ / 2);
+    ws.k_amx.resize(panels);
+    ws.q_amx.resize(rows);
+    ws.q_amx_max.resize(kRowsPerTask);
+    if (sparse_) {
+      ws.k_amx_abs.resize(panels);
+      ws.q_amx_abs.resize(rows);
+      ws.t_amx.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+    }
+  }
+
+  /// Keys [k0, k1) of the fp32 panels (pack_head; bf16 values, so the low 16 bits are zero) as
+  /// panels of column pairs (column c in the low half, c + 1 in the high one), with a selecting
+  /// pattern also their magnitudes, and the largest |k|.
+  void pack_keys_amx(workspace& ws, std::int64_t k0, std::int64_t k1) const {
+#if DFSS_SIMD_AMX
+    static_assert(2 * HWY_LANES(float) == amx::kPanel, "the AVX3 panel is two 16-key tiles");
+    const DF d;
+    const hn::RebindToUnsigned<DF> du;
+    VF top = hn::Zero(d);
+    for (std::int64_t blk = k0 / panel_; blk < k1 / panel_; ++blk) {
+      const float* src = ws.kt.ptr + blk * dp_ * panel_;
+      const std::int64_t at = blk * (dp_ / 2) * panel_;
+      for (int c = 0; c < dp_; c += 2) {
+        for (int t = 0; t < panel_; t += lanes_) {
+          const VF lo = hn::Load(d, src + c * panel_ + t), hi = hn::Load(d, src + (c + 1) * panel_ + t);
+          top = hn::Max(top, hn::Max(hn::Abs(lo), hn::Abs(hi)));
+          const auto pair = hn::Or(hn::ShiftRight<16>(hn::BitCast(du, lo)), hn::BitCast(du, hi));
+          const std::int64_t o = at + (c / 2) * panel_ + t;
+          hn::Store(pair, du, ws.k_amx.ptr + o);
+          if (sparse_) hn::Store(hn::And(pair, hn::Set(du, 0x7fff7fffu)), du, ws.k_amx_abs.ptr + o);
+        }
+      }
+    }
+    ws.k_amx_max = hn::GetLane(hn::MaxOfLanes(d, top));
+#else
+    (void)ws, (void)k0, (void)k1;
+#endif
+  }
+
+  /// The task's query rows (fp32 in ws.q, bf16 values) as column pairs, and each row's largest |q|.
+  void pack_query_amx(workspace& ws, int rows_mk) const {
+    for (int i = 0; i < rows_mk; ++i) {
+      const float* q = ws.q.ptr + static_cast<std::int64_t>(i) * dp_;
+      std::uint32_t* out = ws.q_amx.ptr + static_cast<std::int64_t>(i) * (dp_ / 2);
+      float top = 0.0f;
+      for (int c = 0; c < dp_; c += 2) {
+        out[c / 2] = (std::bit_cast<std::uint32_t>(q[c]) >> 16) | std::bit_cast<std::uint32_t>(q[c + 1]);
+        top = std::max(top, std::max(std::abs(q[c]), std::abs(q[c + 1])));
+        if (sparse_) ws.q_amx_abs.ptr[static_cast<std::int64_t>(i) * (dp_ / 2) + c / 2] = out[c / 2] & 0x7fff7fffu;
+      }
+      ws.q_amx_max.ptr[i] = top;
+    }
+  }
+
+  /// Makes the selection of a tile scored on AMX tiles the fp32 micro-kernel's (so the selection of
+  /// every other CPU kernel, and of the fused backward, which recomputes it in fp32). With
+  /// A = sum_c |q_c k_c|, u = 2^-24 and gamma(x) = d x / (1 - d x): an AMX score is within
+  /// gamma(2u) A + d 2^-126 (max|q| + max|k| + 1) of the exact dot product (amx_tiles.hpp's
+  /// assumption: at most d additions within 2u, denormal operands read as 0, denormal sums flushed),
+  /// the micro-kernel's within gamma(u) A + d 2^-149. A comes from the AMX product of the
+  /// magnitudes (ws.t_amx), itself at most gamma(2u) A + d 2^-126 (max|q| + max|k| + 1) below A
+  /// (all terms non-negative). So an AMX score and the micro-kernel's score of the same key differ
+  /// by at most E = c1 (T + z) + z + d 2^-149 with T the computed magnitude product,
+  /// z = d 2^-126 (max|q| + max|k| + 1) and c1 = (gamma(2u) + gamma(u)) / (1 - gamma(2u)); where two
+  /// AMX scores of a group differ by more than E_i + E_j the micro-kernel ranks them alike. A group
+  /// with two scores closer than that (a near tie: rare on real data, every tie of integer inputs)
+  /// gets its scores recomputed in the micro-kernel's order, bitwise (fused_order_score). c1 and
+  /// the constant are enlarged by 2^-18, which covers the fp32 rounding of E and of the differences.
+  /// Checked by Cpu.AmxKeepsTheFp32Selection and by the CPU tests, which run with AMX wherever the
+  /// CPU has it (CpuBackward.UsesExactlyTheForwardSelection among them).
+  void settle_near_ties(workspace& ws, int rows, std::int64_t j0, int width) const {
+#if DFSS_SIMD_AMX
+    const DF d;
+    const int m = p_.pattern_m;
+    const double u = 0x1p-24, dd = static_cast<double>(d_), margin = 1.0 + 0x1p-18;
+    const double gamma_a = dd * 2.0 * u / (1.0 - dd * 2.0 * u), gamma_f = dd * u / (1.0 - dd * u);
+    const double c1 = (gamma_a + gamma_f) / (1.0 - gamma_a) * margin;
+    const float* panels = ws.kt.ptr + (j0 / panel_) * dp_ * panel_;
+    const double k_max = static_cast<double>(ws.k_amx_max);
+    const VF vc1 = hn::Set(d, static_cast<float>(c1));
+    for (int r = 0; r < rows; ++r) {
+      const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
+      const double z = dd * 0x1p-126 * (static_cast<double>(ws.q_amx_max.ptr[r]) + k_max + 1.0);
+      const float c0 = static_cast<float>((c1 * z + z + dd * 0x1p-149) * margin);
+      float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
+      const float* t = ws.t_amx.ptr + static_cast<std::int64_t>(r) * w_;
+      const auto bound = [&](int key) { return static_cast<float>(c1) * t[key] + c0; };
+      // Group [g0, g0 + m) up to the computed width (keys past it are masked for every row):
+      // recomputed if two of its scores are near.
+      const auto settle = [&](int g0) {
+        const int g1 = std::min(width, g0 + m);
+        bool near = false;
+        for (int i = g0; i < g1 && !near; ++i) {
+          for (int j = i + 1; j < g1 && !near; ++j) near = std::abs(s[i] - s[j]) <= bound(i) + bound(j);
+        }
+        if (near) {
+          for (int k = g0; k < g1; ++k) s[k] = fused_order_score(q, panels + (k / panel_) * dp_ * panel_ + k % panel_);
+        }
+      };
+      if (m == 2 || m == 4) {
+        // Groups of 2 or 4 lie inside 128-bit blocks (tiles start at multiples of the vector):
+        // every pair of a group compared at once with in-block shuffles, the scalar test only for
+        // a vector that has a near pair.
+        const VF vc0 = hn::Set(d, c0);
+        for (int t0 = 0; t0 < width; t0 += lanes_) {
+          const VF x = hn::Load(d, s + t0);
+          const VF e = hn::MulAdd(vc1, hn::Load(d, t + t0), vc0);
+          auto near = hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle2301(x))), hn::Add(e, hn::Shuffle2301(e)));
+          if (m == 4) {
+            near = hn::Or(near, hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle1032(x))), hn::Add(e, hn::Shuffle1032(e))));
+            near = hn::Or(near, hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle0123(x))), hn::Add(e, hn::Shuffle0123(e))));
+          }
+          if (hn::AllFalse(d, near)) continue;
+          for (int g0 = t0; g0 < t0 + lanes_; g0 += m) settle(g0);
+        }
+      } else {
+        for (int g0 = 0; g0 < width; g0 += m) settle(g0);
+      }
+    }
+#else
+    (void)ws, (void)rows, (void)j0, (void)width;
+#endif
+  }
+
+  /// Row @p q's score against the key at @p kt (its column c at kt[c * panel]) in the micro-kernel's
+  /// order: one MulAdd per padded column, in increasing order, from zero.
+  float fused_order_score(const float* q, const float* kt) const {
+    const DF d;
+    VF acc = hn::Zero(d);
+    for (int c = 0; c < dp_; ++c) acc = hn::MulAdd(hn::Set(d, q[c]), hn::Set(d, kt[c * panel_]), acc);
+    return hn::GetLane(acc);
   }
 
   /// acc += p * V[offset] over the @p kept compacted weights @p cv and V element offsets @p ci.

@@ -37,6 +37,7 @@
 #include "cpu/fused_common.hpp"
 #include "cpu/scalar/attention.hpp"
 #include "cpu/parallel.hpp"
+#include "cpu/simd/amx_tiles.hpp"
 #include "cpu/simd/bf16_dot.hpp"
 #include "cpu/simd/targets.hpp"
 #include "dfss/format/nm_select.hpp"
@@ -151,6 +152,12 @@ struct workspace {
   aligned_buffer<std::uint32_t> kb, qb;
   aligned_buffer<std::uint16_t> vb;
   aligned_buffer<std::uint32_t> vpair;  ///< avx3_bf16, dense: V rows of key pairs (pack_value_pair)
+  // The forward's Q K^T on AMX tiles (amx_tiles.hpp): K panels and the query tile as bf16 column
+  // pairs, both also with the signs cleared, the tile of sum_c |q_c k_c| from those, the largest
+  // |q| of each query row and |k| of the packed keys (settle_near_ties' bound).
+  aligned_buffer<std::uint32_t> k_amx, q_amx, k_amx_abs, q_amx_abs;
+  aligned_buffer<float> q_amx_max, t_amx;
+  float k_amx_max = 0.0f;
 };
 
 /// Partial online-softmax states of rows over chunks of their keys (the decode forward's key chunks,
@@ -235,6 +242,15 @@ using VI = hn::Vec<DI>;
 #define DFSS_SIMD_BF16_DOT 1
 #else
 #define DFSS_SIMD_BF16_DOT 0
+#endif
+
+/// Whether this instance has the forward's Q K^T on AMX tiles (amx_tiles.hpp): the AVX3 instance of
+/// a build whose compiler has the tile instructions. It runs only where core::cpu_uses_amx().
+#undef DFSS_SIMD_AMX
+#if DFSS_SIMD_KERNEL_TARGET && HWY_TARGET == HWY_AVX3 && defined(DFSS_HAVE_AMX)
+#define DFSS_SIMD_AMX 1
+#else
+#define DFSS_SIMD_AMX 0
 #endif
 
 /// Whether this instance computes the backward's dP of a 1:2 tile only at the kept keys

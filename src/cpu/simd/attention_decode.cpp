@@ -660,8 +660,11 @@ class decode_pass : public kernel<T> {
   /// Makes a direct tile's selection the fused forward's (and so the fused backward's, which
   /// recomputes it): each direct score is within E = gamma_d sum_c |q_c k_c| <= gamma_d d max|q| max|k|
   /// (gamma_d = d u / (1 - d u), u = 2^-24, plus 2^-149 per product for underflow) of the exact dot
-  /// product, and so is the fused forward's, so where every two scores of a group differ by more
-  /// than 2 E both orders rank the group alike. A group with two scores closer than that (a near
+  /// product, and so is the fused forward's, so a direct score and the fused forward's score of the
+  /// same key differ by at most 2 E, and where every two direct scores of a group differ by more
+  /// than 4 E (twice that: each of the two may move by 2 E) both orders rank the group alike. (The
+  /// bound was 2 E until 2026-12-03, which let two scores between 2 E and 4 E apart rank either
+  /// way; E is so loose that no test found it.) A group with two scores closer than that (a near
   /// tie: rare on real data, every exact tie of integer inputs) has its scores recomputed in the
   /// fused forward's order (fused_order_score). Checked by CpuBackward.UsesExactlyTheForwardSelection,
   /// whose near ties everywhere are decided by rounding.
@@ -677,8 +680,8 @@ class decode_pass : public kernel<T> {
       // operand per product) and flushes a denormal partial sum to 0 (below 2^-126 per step, two
       // steps per column pair): at most d 2^-126 (max|q| + max|k| + 1) more.
       if (dot_) e += dd * 0x1p-126 * (static_cast<double>(ws.q_max.ptr[r]) + static_cast<double>(max_k) + 1.0);
-      // In fp32, 2 E enlarged by 2^-20 covers the rounding of the subtraction and of the bound.
-      const float lim = static_cast<float>(2.0 * e * (1.0 + 0x1p-20));
+      // In fp32, 4 E enlarged by 2^-20 covers the rounding of the subtraction and of the bound.
+      const float lim = static_cast<float>(4.0 * e * (1.0 + 0x1p-20));
       float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
       const auto settle = [&](int g0) {  // group [g0, g0 + m): recomputed if two scores are near
         const int g1 = std::min(keys, g0 + m);

@@ -495,13 +495,7 @@ class forward_pass : public kernel<T> {
     if (amx_ && !ws.risky) {
       const std::int64_t panel_at = (j0 / panel_) * (dp_ / 2) * panel_;
       amx::qk_tile(ws.q_amx.ptr, rows_mk, dp_, ws.k_amx.ptr + panel_at, width, w_, ws.s.ptr);
-      if (sparse_) {
-        // sum_c |q_c k_c| of every score, for settle_near_ties' bound: the same product of the
-        // magnitudes (a tenth of the cost of settling against d max|q| max|k|, which made a
-        // quarter of the groups of random 2:4 scores near ties).
-        amx::qk_tile(ws.q_amx_abs.ptr, rows_mk, dp_, ws.k_amx_abs.ptr + panel_at, width, w_, ws.t_amx.ptr);
-        settle_near_ties(ws, rows, j0, width);
-      }
+      if (sparse_) settle_near_ties(ws, rows, j0, width);
       return;
     }
 #else
@@ -534,15 +528,14 @@ class forward_pass : public kernel<T> {
     ws.q_amx.resize(rows);
     ws.q_amx_max.resize(kRowsPerTask);
     if (sparse_) {
-      ws.k_amx_abs.resize(panels);
-      ws.q_amx_abs.resize(rows);
-      ws.t_amx.resize(static_cast<std::size_t>(kRowsPerTask * w_));
+      ws.k_amx_l1.resize(static_cast<std::size_t>(this->lk_pad_));
     }
   }
 
   /// Keys [k0, k1) of the fp32 panels (pack_head; bf16 values, so the low 16 bits are zero) as
-  /// panels of column pairs (column c in the low half, c + 1 in the high one), with a selecting
-  /// pattern also their magnitudes, and the largest |k|.
+  /// panels of column pairs (column c in the low half, c + 1 in the high one), the largest |k|, and
+  /// with a selecting pattern each key's sum of |k_c| (in fp32, so at least (1 - gamma(u)) times
+  /// the exact sum).
   void pack_keys_amx(workspace& ws, std::int64_t k0, std::int64_t k1) const {
 #if DFSS_SIMD_AMX
     static_assert(2 * HWY_LANES(float) == amx::kPanel, "the AVX3 panel is two 16-key tiles");
@@ -552,15 +545,20 @@ class forward_pass : public kernel<T> {
     for (std::int64_t blk = k0 / panel_; blk < k1 / panel_; ++blk) {
       const float* src = ws.kt.ptr + blk * dp_ * panel_;
       const std::int64_t at = blk * (dp_ / 2) * panel_;
+      VF l1[2] = {hn::Zero(d), hn::Zero(d)};
       for (int c = 0; c < dp_; c += 2) {
         for (int t = 0; t < panel_; t += lanes_) {
           const VF lo = hn::Load(d, src + c * panel_ + t), hi = hn::Load(d, src + (c + 1) * panel_ + t);
-          top = hn::Max(top, hn::Max(hn::Abs(lo), hn::Abs(hi)));
+          const VF mag = hn::Max(hn::Abs(lo), hn::Abs(hi));
+          top = hn::Max(top, mag);
+          l1[t / lanes_] = hn::Add(l1[t / lanes_], hn::Add(hn::Abs(lo), hn::Abs(hi)));
           const auto pair = hn::Or(hn::ShiftRight<16>(hn::BitCast(du, lo)), hn::BitCast(du, hi));
-          const std::int64_t o = at + (c / 2) * panel_ + t;
-          hn::Store(pair, du, ws.k_amx.ptr + o);
-          if (sparse_) hn::Store(hn::And(pair, hn::Set(du, 0x7fff7fffu)), du, ws.k_amx_abs.ptr + o);
+          hn::Store(pair, du, ws.k_amx.ptr + at + (c / 2) * panel_ + t);
         }
+      }
+      if (sparse_) {
+        hn::Store(l1[0], d, ws.k_amx_l1.ptr + blk * panel_);
+        hn::Store(l1[1], d, ws.k_amx_l1.ptr + blk * panel_ + lanes_);
       }
     }
     ws.k_amx_max = hn::GetLane(hn::MaxOfLanes(d, top));
@@ -578,7 +576,6 @@ class forward_pass : public kernel<T> {
       for (int c = 0; c < dp_; c += 2) {
         out[c / 2] = (std::bit_cast<std::uint32_t>(q[c]) >> 16) | std::bit_cast<std::uint32_t>(q[c + 1]);
         top = std::max(top, std::max(std::abs(q[c]), std::abs(q[c + 1])));
-        if (sparse_) ws.q_amx_abs.ptr[static_cast<std::int64_t>(i) * (dp_ / 2) + c / 2] = out[c / 2] & 0x7fff7fffu;
       }
       ws.q_amx_max.ptr[i] = top;
     }
@@ -586,37 +583,41 @@ class forward_pass : public kernel<T> {
 
   /// Makes the selection of a tile scored on AMX tiles the fp32 micro-kernel's (so the selection of
   /// every other CPU kernel, and of the fused backward, which recomputes it in fp32). With
-  /// A = sum_c |q_c k_c|, u = 2^-24 and gamma(x) = d x / (1 - d x): an AMX score is within
-  /// gamma(2u) A + d 2^-126 (max|q| + max|k| + 1) of the exact dot product (amx_tiles.hpp's
-  /// assumption: at most d additions within 2u, denormal operands read as 0, denormal sums flushed),
-  /// the micro-kernel's within gamma(u) A + d 2^-149. A comes from the AMX product of the
-  /// magnitudes (ws.t_amx), itself at most gamma(2u) A + d 2^-126 (max|q| + max|k| + 1) below A
-  /// (all terms non-negative). So an AMX score and the micro-kernel's score of the same key differ
-  /// by at most E = c1 (T + z) + z + d 2^-149 with T the computed magnitude product,
-  /// z = d 2^-126 (max|q| + max|k| + 1) and c1 = (gamma(2u) + gamma(u)) / (1 - gamma(2u)); where two
-  /// AMX scores of a group differ by more than E_i + E_j the micro-kernel ranks them alike. A group
-  /// with two scores closer than that (a near tie: rare on real data, every tie of integer inputs)
-  /// gets its scores recomputed in the micro-kernel's order, bitwise (fused_order_score). c1 and
-  /// the constant are enlarged by 2^-18, which covers the fp32 rounding of E and of the differences.
-  /// Checked by Cpu.AmxKeepsTheFp32Selection and by the CPU tests, which run with AMX wherever the
-  /// CPU has it (CpuBackward.UsesExactlyTheForwardSelection among them).
+  /// A = sum_c |q_c k_c| <= max|q| sum_c |k_c|, u = 2^-24 and gamma(x) = d x / (1 - d x): an AMX score
+  /// is within gamma(2u) A + z of the exact dot product, z = d 2^-126 (max|q| + max|k| + 1)
+  /// (amx_tiles.hpp's assumption: at most d additions within 2u, denormal operands read as 0,
+  /// denormal sums flushed), the micro-kernel's within gamma(u) A + d 2^-149. So an AMX score and
+  /// the micro-kernel's score of the same key differ by at most E = c1 max|q| K1 + z + d 2^-149,
+  /// with K1 the key's computed sum of |k_c| (ws.k_amx_l1) and c1 = (gamma(2u) + gamma(u)) /
+  /// (1 - gamma(u)); where two AMX scores of a group differ by more than E_i + E_j the micro-kernel
+  /// ranks them alike. A group with two scores closer than that (a near tie: rare on real data,
+  /// every tie of integer inputs) gets its scores recomputed in the micro-kernel's order, bitwise
+  /// (fused_order_score). c1 and the constant are enlarged by 2^-18, which covers the fp32 rounding
+  /// of E and of the differences. Measured (2 threads, causal bf16, L = 2048, d = 64, random
+  /// normal inputs): with the cruder A <= d max|q| max|k| settling was 22% of a 2:4 call and 2:4
+  /// slower than without AMX; with A from a second tile product of |Q| and |K| (tighter still) the
+  /// product and the pass cost more than this per-key bound does (2:4 45.7 against 36-43 ms). Checked
+  /// by Cpu.AmxKeepsTheFp32Selection (which fails with the settling removed) and by the CPU tests,
+  /// which run with AMX wherever the CPU has it.
   void settle_near_ties(workspace& ws, int rows, std::int64_t j0, int width) const {
 #if DFSS_SIMD_AMX
     const DF d;
     const int m = p_.pattern_m;
     const double u = 0x1p-24, dd = static_cast<double>(d_), margin = 1.0 + 0x1p-18;
     const double gamma_a = dd * 2.0 * u / (1.0 - dd * 2.0 * u), gamma_f = dd * u / (1.0 - dd * u);
-    const double c1 = (gamma_a + gamma_f) / (1.0 - gamma_a) * margin;
+    const double c1 = (gamma_a + gamma_f) / (1.0 - gamma_f) * margin;
     const float* panels = ws.kt.ptr + (j0 / panel_) * dp_ * panel_;
     const double k_max = static_cast<double>(ws.k_amx_max);
-    const VF vc1 = hn::Set(d, static_cast<float>(c1));
+
     for (int r = 0; r < rows; ++r) {
       const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
       const double z = dd * 0x1p-126 * (static_cast<double>(ws.q_amx_max.ptr[r]) + k_max + 1.0);
       const float c0 = static_cast<float>((c1 * z + z + dd * 0x1p-149) * margin);
       float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
-      const float* t = ws.t_amx.ptr + static_cast<std::int64_t>(r) * w_;
-      const auto bound = [&](int key) { return static_cast<float>(c1) * t[key] + c0; };
+      const float* t = ws.k_amx_l1.ptr + j0;
+      const float c1q = static_cast<float>(c1 * static_cast<double>(ws.q_amx_max.ptr[r]));
+      const VF vc1 = hn::Set(d, c1q);
+      const auto bound = [&](int key) { return c1q * t[key] + c0; };
       // Group [g0, g0 + m) up to the computed width (keys past it are masked for every row):
       // recomputed if two of its scores are near.
       const auto settle = [&](int g0) {

@@ -153,10 +153,10 @@ struct workspace {
   aligned_buffer<std::uint16_t> vb;
   aligned_buffer<std::uint32_t> vpair;  ///< avx3_bf16, dense: V rows of key pairs (pack_value_pair)
   // The forward's Q K^T on AMX tiles (amx_tiles.hpp): K panels and the query tile as bf16 column
-  // pairs, both also with the signs cleared, the tile of sum_c |q_c k_c| from those, the largest
-  // |q| of each query row and |k| of the packed keys (settle_near_ties' bound).
-  aligned_buffer<std::uint32_t> k_amx, q_amx, k_amx_abs, q_amx_abs;
-  aligned_buffer<float> q_amx_max, t_amx;
+  // pairs, the sum of |k_c| of each packed key, the largest |q| of each query row and |k| of the
+  // packed keys (settle_near_ties' bound).
+  aligned_buffer<std::uint32_t> k_amx, q_amx;
+  aligned_buffer<float> k_amx_l1, q_amx_max;
   float k_amx_max = 0.0f;
 };
 

@@ -102,6 +102,10 @@ struct attention_params {
 
   /// Worker threads; 0 means the backend's default (all hardware threads).
   int num_threads = 0;
+  /// CPU forward: P V with the weights in fp32 even where the bf16 paths would round them to bf16
+  /// (the avx3 forward's P V on AMX tiles). The CPU backend's backward sets it when it recomputes O
+  /// for D = rowsum(dO O), so that its gradients keep fp32 accuracy.
+  bool fp32_weights = false;
 };
 
 }  // namespace dfss

@@ -100,6 +100,7 @@ status run_cpu_backward(const attention_params& p, core::host_kernel_fn forward,
   f.lse_type = dtype::f32;
   std::copy(lse_stride, lse_stride + 3, f.lse_stride);
   f.dq = f.dk = f.dv = f.dbias = nullptr;
+  f.fp32_weights = true;  // O only feeds D: keep the weights unrounded
   status st = forward(f);
   if (!st.ok()) return st;
   attention_params b = p;

@@ -317,7 +317,7 @@ inline cpu_isa automatic_cpu_isa() {
   return cpu_isa::generic;
 }
 
-/// Whether the avx3 forward scores bf16 inputs on AMX tiles in this process, by the test's own
+/// Whether the avx3 forward runs bf16 inputs on AMX tiles in this process, by the test's own
 /// reading of the CPU: cpuid's AMX-TILE and AMX-BF16 (leaf 7, EDX bits 24 and 22), unless
 /// DFSS_CPU_AMX is 0 (core::cpu_uses_amx; a build whose compiler lacks the flags has no AMX path,
 /// which this does not see).
@@ -334,11 +334,12 @@ inline bool avx3_scores_on_amx() {
 }
 
 /// Whether the forward on @p isa rounds P to bf16 for @p t inputs: the avx3_bf16 target's bf16 dot
-/// products (docs/semantics.md, "Precision"), which automatic picks where the CPU runs them fast.
+/// products (docs/semantics.md, "Precision"), which automatic picks where the CPU runs them fast,
+/// and the avx3 forward's P V on AMX tiles.
 inline bool forward_rounds_p_to_bf16(cpu_isa isa, dtype t) {
   if (t != dtype::bf16) return false;
-  if (isa == cpu_isa::automatic) return automatic_cpu_isa() == cpu_isa::avx3_bf16;
-  return isa == cpu_isa::avx3_bf16;
+  const cpu_isa runs = isa == cpu_isa::automatic ? automatic_cpu_isa() : isa;
+  return runs == cpu_isa::avx3_bf16 || (runs == cpu_isa::avx3 && avx3_scores_on_amx());
 }
 
 /// The unit roundoff of bf16 (8 significant bits): round to nearest moves a value by at most

@@ -74,4 +74,29 @@ void qk_tile(const std::uint32_t* q, int rows, int dp, const std::uint32_t* pane
   }
 }
 
+void pv_tile(const std::uint32_t* p, int rows, int pairs, const std::uint32_t* v, int dp, float* acc) noexcept {
+  // Tiles (configure's): 0 and 2 the accumulators of the two row blocks, 4 and 5 their weights, 6
+  // the values. Per block of 16 columns, each accumulator tile is loaded and stored once.
+  const int r1 = rows > 16 ? rows - 16 : 0;
+  const long p_bytes = static_cast<long>(pairs) * 4;
+  const long row_bytes = static_cast<long>(dp) * 4;  // acc rows and value pairs alike
+  const std::uint32_t* p1 = p + 16 * static_cast<long>(pairs);
+  float* acc1 = acc + 16 * static_cast<long>(dp);
+  for (int n = 0; n < dp; n += 16) {
+    _tile_loadd(0, acc + n, row_bytes);
+    if (r1 > 0) _tile_loadd(2, acc1 + n, row_bytes);
+    for (int g = 0; g < pairs; g += kPairs) {
+      _tile_loadd(6, v + static_cast<long>(g) * dp + n, row_bytes);
+      _tile_loadd(4, p + g, p_bytes);
+      _tile_dpbf16ps(0, 4, 6);
+      if (r1 > 0) {
+        _tile_loadd(5, p1 + g, p_bytes);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+    }
+    _tile_stored(0, acc + n, row_bytes);
+    if (r1 > 0) _tile_stored(2, acc1 + n, row_bytes);
+  }
+}
+
 }  // namespace dfss::cpu::amx

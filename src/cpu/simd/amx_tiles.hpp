@@ -43,4 +43,11 @@ void release() noexcept;
 void qk_tile(const std::uint32_t* q, int rows, int dp, const std::uint32_t* panels, int width, int w,
              float* s) noexcept;
 
+/// acc[r][0, dp) += sum over key pairs g < @p pairs of p_r,2g v_2g + p_r,2g+1 v_2g+1 for @p rows
+/// accumulator rows (row stride dp floats): @p p holds [rows][pairs] bf16 weight pairs (key 2g in the
+/// low half), @p v [pairs][dp] value pairs (column c of keys 2g and 2g + 1 in one 32-bit word, 2g in
+/// the low half); @p pairs a multiple of kPairs, @p dp of 16. The thread's tiles must be configured
+/// for @p rows (configure: the same tiles as qk_tile's).
+void pv_tile(const std::uint32_t* p, int rows, int pairs, const std::uint32_t* v, int dp, float* acc) noexcept;
+
 }  // namespace dfss::cpu::amx

@@ -49,9 +49,11 @@ class forward_pass : public kernel<T> {
       : base(p, min_tile(p, bf16_dot)),
         dot_(uses_dot(bf16_dot)),
         amx_(uses_amx(p, dot_, dp_)),
+        amx_pv_(amx_ && !p.fp32_weights),
         sparse_(p.pattern_n < p.pattern_m),
         dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && (!dot_ || dense_dot_fits())),
-        pair_tiles_(kPairBlocks && !core::cpu_splits_512bit_ops() && p.pattern_n == 1 && p.pattern_m == 2 && !dot_),
+        pair_tiles_(kPairBlocks && !core::cpu_splits_512bit_ops() && p.pattern_n == 1 && p.pattern_m == 2 && !dot_ &&
+                    !amx_pv_),
         q_tiles_((p.seqlen_q + kRowsPerTask - 1) / kRowsPerTask),
         chunk_(split_chunk_keys(p, q_tiles_, w_)),
         chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)) {}
@@ -154,8 +156,9 @@ class forward_pass : public kernel<T> {
   using base::w_;
   using base::zero_row_;
   const bool dot_;
-  /// Q K^T on the AMX tiles (uses_amx), and whether the pattern selects (settle_near_ties then runs).
-  const bool amx_, sparse_;
+  /// Q K^T on the AMX tiles (uses_amx), P V too (blocked_values_amx; not with p.fp32_weights), and
+  /// whether the pattern selects (settle_near_ties then runs).
+  const bool amx_, amx_pv_, sparse_;
   /// Dense pattern on a fixed-width target: a key tile that no row masks runs P V as a blocked
   /// product over the task's rows (blocked_values; with the bf16 dot products, bf16dot::pv_tile_rows).
   const bool dense_tiles_;
@@ -330,8 +333,11 @@ class forward_pass : public kernel<T> {
     // -inf) can keep a -inf slot.
     const bool masked_tile = j0 + w_ > lim || p_.bias != nullptr;
     // A dense tile the row does not mask keeps its scores in place and in key order, which is what
-    // compact would copy out.
-    const bool in_place = dense_tiles_ && !masked_tile;
+    // compact would copy out. So does one it masks when P V runs on the AMX tiles: a masked key's
+    // -inf becomes a zero weight there (exp2_poly), and the whole tile is one tile product (the
+    // causal diagonal's tiles row by row in fp32 were a tenth of a dense bf16 forward's time).
+    const bool amx_tile = amx_pv_ && !ws.risky;
+    const bool in_place = dense_tiles_ && (!masked_tile || amx_tile);
     const mask::whole_groups whole = core::whole_groups(p_, b, qi);
     // A 1:2 tile the row does not mask, without whole groups (sink and recent windows): one kept
     // key per pair, in pair order.
@@ -364,12 +370,24 @@ class forward_pass : public kernel<T> {
 
     // exp(scale (x - max)) of the kept scores; the second multiply only for a scale above
     // float max / log2(e).
-    const exp_out out = in_place ? exp_out::weights : (paired ? exp_out::pair_signs : exp_out::offsets);
-    sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_tile, out)
-                       : exp_kept<true>(cv, ci, kept, mx, masked_tile, out);
+    const exp_out out = in_place || amx_tile ? exp_out::weights : (paired ? exp_out::pair_signs : exp_out::offsets);
+    // -inf slots whose offsets go to the zero row (on the AMX tiles their weights are just 0).
+    const bool masked_slots = masked_tile && !in_place && !amx_tile;
+    sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_slots, out)
+                       : exp_kept<true>(cv, ci, kept, mx, masked_slots, out);
 
     // acc += p * V[index] over the kept keys (ci holds element offsets now).
     if (in_place || paired) {
+      blocked |= 1u << i;
+    } else if (amx_tile) {
+      // The kept weights back at their keys, zeros elsewhere: the tile's P V is one tile product
+      // (blocked_values_amx) whatever the pattern, the AMX tiles having no sparse form.
+      // A slot of a masked key (kept where a group has fewer than N visible keys) has weight 0 and
+      // an index that need not be its own: skipped, as is any other zero weight.
+      std::fill(s, s + w_, 0.0f);
+      for (int t = 0; t < kept; ++t) {
+        if (cv[t] != 0.0f) s[ci[t] - j0] = cv[t];
+      }
       blocked |= 1u << i;
     } else {
       values(ws, acc, kept, cv, ci);
@@ -383,6 +401,9 @@ class forward_pass : public kernel<T> {
   void blocked_values(workspace& ws, std::uint32_t blocked, std::int64_t j0) const {
 #if DFSS_SIMD_BF16_DOT
     if (dot_) return blocked_values_bf16(ws, blocked, j0);
+#endif
+#if DFSS_SIMD_AMX
+    if (amx_pv_ && !ws.risky) return blocked_values_amx(ws, blocked, j0);
 #endif
 #if !HWY_HAVE_SCALABLE
     const float* v0 = ws.vp.ptr + j0 * dp_;
@@ -408,6 +429,42 @@ class forward_pass : public kernel<T> {
       }
     }
     for (int r = 0; r < n; ++r) run(std::integral_constant<int, 1>(), acc + r, w + r);
+#else
+    (void)ws, (void)blocked, (void)j0;
+#endif
+  }
+
+  /// AMX, every pattern: blocked_values on the tiles (amx::pv_tile), the weights rounded to bf16 (round to
+  /// nearest even, as bf16dot::pv_tile_rows does; the row sums keep the unrounded ones), value pairs
+  /// from ws.vpair. The task's rows all go through the tiles: rows not in @p blocked (masked in this
+  /// tile, or whose P V was done row by row) get zero weights, which leave their sums unchanged.
+  void blocked_values_amx(workspace& ws, std::uint32_t blocked, std::int64_t j0) const {
+#if DFSS_SIMD_AMX
+    const DF d;
+    const hn::RebindToUnsigned<DF> du;
+    const hn::Repartition<std::uint16_t, DF> d16;
+    const int pairs = w_ / 2;
+    int rows = 0;
+    for (std::uint32_t bits = blocked; bits != 0; bits &= bits - 1) rows = hwy::Num0BitsBelowLS1Bit_Nonzero32(bits) + 1;
+    rows = (rows + kMicroRows - 1) / kMicroRows * kMicroRows;  // within the task's configured rows_mk
+    for (int i = 0; i < rows; ++i) {
+      std::uint32_t* out = ws.p_amx.ptr + static_cast<std::int64_t>(i) * pairs;
+      if ((blocked >> i & 1u) == 0) {
+        std::fill(out, out + pairs, 0u);
+        continue;
+      }
+      const float* w = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
+      const auto round = [&](const float* x) {  // bf16 (round to nearest even) in the high halves
+        const auto b = hn::BitCast(du, hn::Load(d, x));
+        const auto odd = hn::And(hn::ShiftRight<16>(b), hn::Set(du, 1u));
+        return hn::BitCast(d16, hn::Add(b, hn::Add(odd, hn::Set(du, 0x7fffu))));
+      };
+      for (int t = 0; t < w_; t += 2 * lanes_) {
+        // The high halves of keys t .. t + 31 in order: key 2g in the low half of pair g.
+        hn::Store(hn::BitCast(du, hn::ConcatOdd(d16, round(w + t + lanes_), round(w + t))), du, out + t / 2);
+      }
+    }
+    amx::pv_tile(ws.p_amx.ptr, rows, pairs, ws.vpair.ptr + (j0 / 2) * dp_, dp_, ws.acc.ptr);
 #else
     (void)ws, (void)blocked, (void)j0;
 #endif
@@ -460,6 +517,7 @@ class forward_pass : public kernel<T> {
 #endif
     this->pack_head(ws, b, hk, k0, k1);
     if (amx_ && fresh) pack_keys_amx(ws, k0, k1);
+    if (amx_pv_ && fresh) pack_value_pairs_amx(ws, k0, k1);
     if (pair_tiles_ && fresh) {
       // blocked_values' odd keys of 1:2 pairs: V row 2 g + 1 negated, as row g of ws.vn.
       const DF d;
@@ -527,6 +585,10 @@ class forward_pass : public kernel<T> {
     ws.k_amx.resize(panels);
     ws.q_amx.resize(rows);
     ws.q_amx_max.resize(kRowsPerTask);
+    if (amx_pv_) {
+      ws.p_amx.resize(static_cast<std::size_t>(kRowsPerTask * w_ / 2));
+      ws.vpair.resize(static_cast<std::size_t>((this->lk_pad_ / 2 + 1) * dp_));
+    }
     if (sparse_) {
       ws.k_amx_l1.resize(static_cast<std::size_t>(this->lk_pad_));
     }
@@ -565,6 +627,20 @@ class forward_pass : public kernel<T> {
 #else
     (void)ws, (void)k0, (void)k1;
 #endif
+  }
+
+  /// Values [k0, k1) of the fp32 rows (pack_head; bf16 values) as pairs of keys for
+  /// blocked_values_amx: column c of keys 2g and 2g + 1 in one word, 2g in the low half.
+  void pack_value_pairs_amx(workspace& ws, std::int64_t k0, std::int64_t k1) const {
+    const DF d;
+    const hn::RebindToUnsigned<DF> du;
+    for (std::int64_t g = k0 / 2; g < k1 / 2; ++g) {
+      const float* even = ws.vp.ptr + 2 * g * dp_;
+      for (int c = 0; c < dp_; c += lanes_) {
+        const auto lo = hn::ShiftRight<16>(hn::BitCast(du, hn::Load(d, even + c)));
+        hn::Store(hn::Or(lo, hn::BitCast(du, hn::Load(d, even + dp_ + c))), du, ws.vpair.ptr + g * dp_ + c);
+      }
+    }
   }
 
   /// The task's query rows (fp32 in ws.q, bf16 values) as column pairs, and each row's largest |q|.

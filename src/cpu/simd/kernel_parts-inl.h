@@ -155,7 +155,7 @@ struct workspace {
   // The forward's Q K^T on AMX tiles (amx_tiles.hpp): K panels and the query tile as bf16 column
   // pairs, the sum of |k_c| of each packed key, the largest |q| of each query row and |k| of the
   // packed keys (settle_near_ties' bound).
-  aligned_buffer<std::uint32_t> k_amx, q_amx;
+  aligned_buffer<std::uint32_t> k_amx, q_amx, p_amx;  ///< p_amx: a dense tile's weights as bf16 pairs
   aligned_buffer<float> k_amx_l1, q_amx_max;
   float k_amx_max = 0.0f;
 };

@@ -33,7 +33,7 @@ bool cpu_splits_512bit_ops() noexcept;
 /// has AVX512_BF16).
 bool cpu_has_fast_bf16_dot() noexcept;
 
-/// @brief Whether the fused forward computes a bf16 call's Q K^T on the AMX tiles (tdpbf16ps):
+/// @brief Whether the fused forward computes a bf16 call's Q K^T and P V on the AMX tiles (tdpbf16ps):
 /// where the CPU has cpu_feature::amx_bf16 (Sapphire Rapids and later Intel Xeons; one tile
 /// instruction does 16 x 16 x 32 products). The environment variable DFSS_CPU_AMX = 0 or 1, read
 /// once, overrides it (1 only where the CPU has AMX), so that tests and benchmarks run both paths.

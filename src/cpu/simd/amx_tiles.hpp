@@ -1,4 +1,4 @@
-// The fused forward's Q K^T on Intel's AMX tiles (tdpbf16ps), for bf16 inputs on CPUs with
+// The fused forward's Q K^T and P V on Intel's AMX tiles (tdpbf16ps), for bf16 inputs on CPUs with
 // AMX-BF16 (core::cpu_uses_amx). One translation unit compiled with -mamx-tile -mamx-bf16
 // (amx_tiles.cpp, only where the compiler has the flags: DFSS_HAVE_AMX); the AVX3 instance of the
 // forward calls it, only when core::cpu_uses_amx() said yes.
@@ -11,8 +11,9 @@
 // bound in the micro-kernel's order (attention_forward.cpp, settle_near_ties), which keeps the
 // selection exactly that of the fp32 kernels (and of the fused backward, which recomputes it).
 // The bound assumed there: at most d additions, each exact to within 2u relative (any rounding
-// direction), bf16 denormal operands read as 0 and denormal sums flushed to 0; tested on the
-// running CPU by CpuAmx.ScoresWithinTheBound (tests/unit/test_cpu.cpp).
+// direction), bf16 denormal operands read as 0 and denormal sums flushed to 0; checked on the
+// running CPU through its consequence, by Cpu.AmxKeepsTheFp32Selection (tests/unit/test_cpu.cpp:
+// near ties everywhere, decided by rounding).
 #pragma once
 
 #include <cstdint>

@@ -19,6 +19,7 @@ constexpr cpu_feature kAll[] = {cpu_feature::sse4_2,  cpu_feature::avx,      cpu
                                 cpu_feature::avx512bw, cpu_feature::avx512bf16, cpu_feature::neon,
                                 cpu_feature::amx_bf16};
 
+#if defined(__x86_64__) || defined(__i386__)
 /// AMX-TILE and AMX-BF16 in cpuid, the tile state (XCR0 bits 17 and 18) enabled by the OS, and on
 /// Linux the process's permission to use it, requested here (arch_prctl ARCH_REQ_XCOMP_PERM for
 /// XFEATURE_XTILEDATA, kernel 5.16 and later): without it the first tile instruction faults.
@@ -39,6 +40,7 @@ bool detect_amx() noexcept {
   return false;
 #endif
 }
+#endif
 
 bool detect(cpu_feature f) noexcept {
 #if defined(__x86_64__) || defined(__i386__)

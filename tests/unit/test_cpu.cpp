@@ -10,6 +10,7 @@
 // (tests/common/testing.hpp derives it).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <bit>
 #include <cstring>
 
@@ -383,21 +384,26 @@ TEST(Cpu, Bf16DotScoresAreTheFp32Scores) {
 
 TEST(Cpu, AmxKeepsTheFp32Selection) {
   // On a CPU with AMX (and DFSS_CPU_AMX not 0) the avx3 forward scores bf16 inputs on the AMX tiles,
-  // whose sums round otherwise than the fp32 micro-kernel; settle_near_ties must still keep exactly
+  // whose sums round otherwise than the fp32 micro-kernel; select_amx must still keep exactly
   // the micro-kernel's keys, here avx2's (the same FMA chain over the same columns). Near ties
   // decided by rounding everywhere: the keys of a group share a random row but for one small column
   // (2^-12 (1 + n / 128), n random), so their scores (about 128) differ by q 2^-19 n, about the
   // sums' rounding. V = I (d >= Lk) makes O's row i P_i itself: nonzero exactly at the kept keys.
   // Lq = 40: a task of 32 rows (two row tiles) and one of 8; Lk = 120: a last partial panel.
+  // Each pattern also with a causal mask and a key length of 117 (groups cut by the mask: -inf
+  // among near scores), and with sink and recent windows (tiles with groups kept whole).
   const auto isas = runnable_isas();
   const auto runs = [&](cpu_isa isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
   if (!runs(cpu_isa::avx2) || !runs(cpu_isa::avx3)) GTEST_SKIP() << "this CPU runs avx2 or avx3 not";
   std::mt19937_64 rng(test_seed() + 21);
   std::uniform_real_distribution<double> u(0.5, 1.5);
   std::uniform_int_distribution<int> n128(0, 127);
-  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{3, 8}}) {
+  for (int variant = 0; variant < 9; ++variant) {
+    const pattern pat = std::array{pattern{1, 2}, pattern{2, 4}, pattern{3, 8}}[static_cast<std::size_t>(variant % 3)];
     problem pr;
     pr.B = 1, pr.Lq = 40, pr.Lk = 120, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
+    if (variant / 3 == 1) pr.causal = true, pr.key_lengths = {117};
+    if (variant / 3 == 2) pr.sink = 5, pr.recent = 9;
     pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
     pr.k.resize(static_cast<std::size_t>(pr.kv_numel()));
     pr.v.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);

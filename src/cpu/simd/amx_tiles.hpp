@@ -8,7 +8,7 @@
 // an FMA chain in either pair order nor one rounding per pair; the largest error over 512,000 random
 // 32-term sums was 5.5 u times the sum of the terms' magnitudes, u = 2^-24). So the scores are not
 // the fp32 micro-kernel's bits: the forward settles every group with two scores within the error
-// bound in the micro-kernel's order (attention_forward.cpp, settle_near_ties), which keeps the
+// bound in the micro-kernel's order (attention_forward.cpp, select_amx), which keeps the
 // selection exactly that of the fp32 kernels (and of the fused backward, which recomputes it).
 // The bound assumed there: at most d additions, each exact to within 2u relative (any rounding
 // direction), bf16 denormal operands read as 0 and denormal sums flushed to 0; checked on the

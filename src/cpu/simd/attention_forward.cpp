@@ -61,7 +61,7 @@ class forward_pass : public kernel<T> {
   static constexpr bool uses_dot(bool bf16_dot) { return DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16>; }
 
   /// Whether Q K^T runs on the AMX tiles (amx_tiles.hpp): bf16 inputs without the vdpbf16ps loops,
-  /// no bias (settle_near_ties bounds the raw scores, and a bias could reorder a group by less than
+  /// no bias (select_amx bounds the raw scores, and a bias could reorder a group by less than
   /// that), a padded head dim of whole tile steps, on a CPU with AMX. Per task only where the task's
   /// scores cannot overflow (not ws.risky); the others take the fp32 micro-kernel.
   static bool uses_amx(const attention_params& p, bool dot, int dp) {
@@ -157,7 +157,7 @@ class forward_pass : public kernel<T> {
   using base::zero_row_;
   const bool dot_;
   /// Q K^T on the AMX tiles (uses_amx), P V too (blocked_values_amx; not with p.fp32_weights), and
-  /// whether the pattern selects (settle_near_ties then runs).
+  /// whether the pattern selects (select_amx then settles near ties).
   const bool amx_, amx_pv_, sparse_;
   /// Dense pattern on a fixed-width target: a key tile that no row masks runs P V as a blocked
   /// product over the task's rows (blocked_values; with the bf16 dot products, bf16dot::pv_tile_rows).
@@ -217,7 +217,7 @@ class forward_pass : public kernel<T> {
     const bool tiles = amx_ && !ws.risky && k0 < tile_end;
     if (tiles) amx_configure(rows_mk);
     for (std::int64_t j0 = k0; j0 < tile_end; j0 += w_) {
-      scores(ws, rows, rows_mk, j0, tile_end);
+      scores(ws, rows_mk, j0, tile_end);
       // Rows whose P V for this tile is left to blocked_values.
       std::uint32_t blocked = 0;
       for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0, blocked);
@@ -333,11 +333,14 @@ class forward_pass : public kernel<T> {
     // -inf) can keep a -inf slot.
     const bool masked_tile = j0 + w_ > lim || p_.bias != nullptr;
     // A dense tile the row does not mask keeps its scores in place and in key order, which is what
-    // compact would copy out. So does one it masks when P V runs on the AMX tiles: a masked key's
+    // compact would copy out. So does every tile when P V runs on the AMX tiles: a masked key's
     // -inf becomes a zero weight there (exp2_poly), and the whole tile is one tile product (the
-    // causal diagonal's tiles row by row in fp32 were a tenth of a dense bf16 forward's time).
+    // causal diagonal's tiles row by row in fp32 were a tenth of a dense bf16 forward's time); a
+    // sparse pattern's pruned keys become -inf too (select_in_place), the AMX tiles having no
+    // sparse form. Compacting the kept scores and scattering their weights back into a zeroed row
+    // instead made 1:2 2.5x the time of dense (one thread, causal, L = 2048, d = 64).
     const bool amx_tile = amx_pv_ && !ws.risky;
-    const bool in_place = dense_tiles_ && (!masked_tile || amx_tile);
+    const bool in_place = amx_tile || (dense_tiles_ && !masked_tile);
     const mask::whole_groups whole = core::whole_groups(p_, b, qi);
     // A 1:2 tile the row does not mask, without whole groups (sink and recent windows): one kept
     // key per pair, in pair order.
@@ -347,7 +350,9 @@ class forward_pass : public kernel<T> {
     std::int32_t* ci = in_place ? nullptr : ws.comp_idx.ptr + slot;
     float tile_max = neg_inf;
     int kept = w_;
-    if (in_place) {
+    if (amx_tile) {
+      tile_max = select_amx(ws, i, j0, s, whole);
+    } else if (in_place) {
       const DF d;
       VF vmax = hn::Set(d, neg_inf);
       for (int t = 0; t < w_; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
@@ -370,24 +375,14 @@ class forward_pass : public kernel<T> {
 
     // exp(scale (x - max)) of the kept scores; the second multiply only for a scale above
     // float max / log2(e).
-    const exp_out out = in_place || amx_tile ? exp_out::weights : (paired ? exp_out::pair_signs : exp_out::offsets);
-    // -inf slots whose offsets go to the zero row (on the AMX tiles their weights are just 0).
-    const bool masked_slots = masked_tile && !in_place && !amx_tile;
+    const exp_out out = in_place ? exp_out::weights : (paired ? exp_out::pair_signs : exp_out::offsets);
+    // -inf slots whose offsets go to the zero row.
+    const bool masked_slots = masked_tile && !in_place;
     sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_slots, out)
                        : exp_kept<true>(cv, ci, kept, mx, masked_slots, out);
 
     // acc += p * V[index] over the kept keys (ci holds element offsets now).
     if (in_place || paired) {
-      blocked |= 1u << i;
-    } else if (amx_tile) {
-      // The kept weights back at their keys, zeros elsewhere: the tile's P V is one tile product
-      // (blocked_values_amx) whatever the pattern, the AMX tiles having no sparse form.
-      // A slot of a masked key (kept where a group has fewer than N visible keys) has weight 0 and
-      // an index that need not be its own: skipped, as is any other zero weight.
-      std::fill(s, s + w_, 0.0f);
-      for (int t = 0; t < kept; ++t) {
-        if (cv[t] != 0.0f) s[ci[t] - j0] = cv[t];
-      }
       blocked |= 1u << i;
     } else {
       values(ws, acc, kept, cv, ci);
@@ -537,13 +532,13 @@ class forward_pass : public kernel<T> {
 #endif
   }
 
-  /// S = Q K^T of the task's query tile (@p rows rows, @p rows_mk with the zero padding) and the key
+  /// S = Q K^T of the task's query tile (@p rows_mk rows with the zero padding) and the key
   /// tile at @p j0, into ws.s.
   /// The fp32 product stops at the panel that holds key tile_end - 1, the last key any row of the
   /// task sees: the causal diagonal's tile is computed only up to the task's last row (on average
   /// half a tile less per task; 6% of the causal Q K^T at L = 2048 with 128-key tiles). Scores past
   /// it are never read: every row masks them to -inf first (bias_and_mask).
-  void scores(workspace& ws, int rows, int rows_mk, std::int64_t j0, std::int64_t tile_end) const {
+  void scores(workspace& ws, int rows_mk, std::int64_t j0, std::int64_t tile_end) const {
 #if DFSS_SIMD_BF16_DOT
     if (dot_) return bf16dot::qk_tile(ws.qb.ptr, rows_mk, dp_, ws.kb.ptr, j0, w_, ws.s.ptr);
 #endif
@@ -553,11 +548,8 @@ class forward_pass : public kernel<T> {
     if (amx_ && !ws.risky) {
       const std::int64_t panel_at = (j0 / panel_) * (dp_ / 2) * panel_;
       amx::qk_tile(ws.q_amx.ptr, rows_mk, dp_, ws.k_amx.ptr + panel_at, width, w_, ws.s.ptr);
-      if (sparse_) settle_near_ties(ws, rows, j0, width);
       return;
     }
-#else
-    (void)rows;
 #endif
     this->tile_product(ws.q.ptr, rows_mk, ws.kt.ptr, j0, ws.s.ptr, width);
   }
@@ -657,78 +649,148 @@ class forward_pass : public kernel<T> {
     }
   }
 
-  /// Makes the selection of a tile scored on AMX tiles the fp32 micro-kernel's (so the selection of
-  /// every other CPU kernel, and of the fused backward, which recomputes it in fp32). With
-  /// A = sum_c |q_c k_c| <= max|q| sum_c |k_c|, u = 2^-24 and gamma(x) = d x / (1 - d x): an AMX score
-  /// is within gamma(2u) A + z of the exact dot product, z = d 2^-126 (max|q| + max|k| + 1)
-  /// (amx_tiles.hpp's assumption: at most d additions within 2u, denormal operands read as 0,
-  /// denormal sums flushed), the micro-kernel's within gamma(u) A + d 2^-149. So an AMX score and
-  /// the micro-kernel's score of the same key differ by at most E = c1 max|q| K1 + z + d 2^-149,
-  /// with K1 the key's computed sum of |k_c| (ws.k_amx_l1) and c1 = (gamma(2u) + gamma(u)) /
-  /// (1 - gamma(u)); where two AMX scores of a group differ by more than E_i + E_j the micro-kernel
-  /// ranks them alike. A group with two scores closer than that (a near tie: rare on real data,
-  /// every tie of integer inputs) gets its scores recomputed in the micro-kernel's order, bitwise
-  /// (fused_order_score). c1 and the constant are enlarged by 2^-18, which covers the fp32 rounding
-  /// of E and of the differences. Measured (2 threads, causal bf16, L = 2048, d = 64, random
-  /// normal inputs): with the cruder A <= d max|q| max|k| settling was 22% of a 2:4 call and 2:4
-  /// slower than without AMX; with A from a second tile product of |Q| and |K| (tighter still) the
-  /// product and the pass cost more than this per-key bound does (2:4 45.7 against 36-43 ms). Checked
-  /// by Cpu.AmxKeepsTheFp32Selection (which fails with the settling removed) and by the CPU tests,
-  /// which run with AMX wherever the CPU has it.
-  void settle_near_ties(workspace& ws, int rows, std::int64_t j0, int width) const {
-#if DFSS_SIMD_AMX
-    const DF d;
-    const int m = p_.pattern_m;
+  /// select_amx's bound of key j's score difference: c1q K1_j + c0 (c1q = c1 max|q|, c0 = z + d 2^-149
+  /// and their rounding), for row @p r of the task. c1 and the constant are enlarged by 2^-18,
+  /// which covers the fp32 rounding of E and of the comparisons made with it.
+  struct tie_bound {
+    float c1q, c0;
+  };
+  tie_bound near_tie_bound(const workspace& ws, int r) const {
     const double u = 0x1p-24, dd = static_cast<double>(d_), margin = 1.0 + 0x1p-18;
     const double gamma_a = dd * 2.0 * u / (1.0 - dd * 2.0 * u), gamma_f = dd * u / (1.0 - dd * u);
     const double c1 = (gamma_a + gamma_f) / (1.0 - gamma_f) * margin;
-    const float* panels = ws.kt.ptr + (j0 / panel_) * dp_ * panel_;
-    const double k_max = static_cast<double>(ws.k_amx_max);
+    const double q_max = static_cast<double>(ws.q_amx_max.ptr[r]);
+    const double z = dd * 0x1p-126 * (q_max + static_cast<double>(ws.k_amx_max) + 1.0);
+    return {static_cast<float>(c1 * q_max), static_cast<float>((c1 * z + z + dd * 0x1p-149) * margin)};
+  }
 
-    for (int r = 0; r < rows; ++r) {
-      const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
-      const double z = dd * 0x1p-126 * (static_cast<double>(ws.q_amx_max.ptr[r]) + k_max + 1.0);
-      const float c0 = static_cast<float>((c1 * z + z + dd * 0x1p-149) * margin);
-      float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
-      const float* t = ws.k_amx_l1.ptr + j0;
-      const float c1q = static_cast<float>(c1 * static_cast<double>(ws.q_amx_max.ptr[r]));
-      const VF vc1 = hn::Set(d, c1q);
-      const auto bound = [&](int key) { return c1q * t[key] + c0; };
-      // Group [g0, g0 + m) up to the computed width (keys past it are masked for every row):
-      // recomputed if two of its scores are near.
-      const auto settle = [&](int g0) {
-        const int g1 = std::min(width, g0 + m);
-        bool near = false;
-        for (int i = g0; i < g1 && !near; ++i) {
-          for (int j = i + 1; j < g1 && !near; ++j) near = std::abs(s[i] - s[j]) <= bound(i) + bound(j);
-        }
-        if (near) {
-          for (int k = g0; k < g1; ++k) s[k] = fused_order_score(q, panels + (k / panel_) * dp_ * panel_ + k % panel_);
-        }
-      };
-      if (m == 2 || m == 4) {
-        // Groups of 2 or 4 lie inside 128-bit blocks (tiles start at multiples of the vector):
-        // every pair of a group compared at once with in-block shuffles, the scalar test only for
-        // a vector that has a near pair.
-        const VF vc0 = hn::Set(d, c0);
-        for (int t0 = 0; t0 < width; t0 += lanes_) {
-          const VF x = hn::Load(d, s + t0);
-          const VF e = hn::MulAdd(vc1, hn::Load(d, t + t0), vc0);
-          auto near = hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle2301(x))), hn::Add(e, hn::Shuffle2301(e)));
-          if (m == 4) {
-            near = hn::Or(near, hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle1032(x))), hn::Add(e, hn::Shuffle1032(e))));
-            near = hn::Or(near, hn::Le(hn::Abs(hn::Sub(x, hn::Shuffle0123(x))), hn::Add(e, hn::Shuffle0123(e))));
-          }
-          if (hn::AllFalse(d, near)) continue;
-          for (int g0 = t0; g0 < t0 + lanes_; g0 += m) settle(g0);
-        }
+  /// The selection of a row of a tile scored on AMX tiles (@p r its row in the task, @p s its masked
+  /// scores), made the fp32 micro-kernel's (so the selection of every other CPU kernel, and of the
+  /// fused backward, which recomputes it in fp32), in place as select_in_place leaves it; returns
+  /// the tile's largest score. With A = sum_c |q_c k_c| <= max|q| sum_c |k_c|, u = 2^-24 and
+  /// gamma(x) = d x / (1 - d x): an AMX score is within gamma(2u) A + z of the exact dot product,
+  /// z = d 2^-126 (max|q| + max|k| + 1) (amx_tiles.hpp's assumption: at most d additions within 2u,
+  /// denormal operands read as 0, denormal sums flushed), the micro-kernel's within gamma(u) A +
+  /// d 2^-149. So an AMX score and the micro-kernel's score of the same key differ by at most E =
+  /// c1 max|q| K1 + z + d 2^-149 (near_tie_bound), with K1 the key's computed sum of |k_c|
+  /// (ws.k_amx_l1) and c1 = (gamma(2u) + gamma(u)) / (1 - gamma(u)). Where every kept key i of a
+  /// group and every pruned one j are apart by more than E_i + E_j, the micro-kernel keeps the same
+  /// keys. A group where they are not (a near tie: rare on real data, every tie of integer inputs)
+  /// gets its scores recomputed in the micro-kernel's order, bitwise (fused_order_score), and is
+  /// selected again. Masked keys (-inf) are never near: the micro-kernel masks them alike.
+  ///
+  /// Measured (2 threads, causal bf16, L = 2048, d = 64, random normal inputs): with the cruder A <=
+  /// d max|q| max|k| settling was 22% of a 2:4 call and 2:4 slower than without AMX; with A from a
+  /// second tile product of |Q| and |K| (tighter still) the product and the pass cost more than this
+  /// per-key bound does. Checked by Cpu.AmxKeepsTheFp32Selection (which fails with the settling
+  /// removed) and by the CPU tests, which run with AMX wherever the CPU has it.
+  float select_amx(workspace& ws, int r, std::int64_t j0, float* s, const mask::whole_groups& whole) const {
+#if DFSS_SIMD_AMX
+    const auto j = static_cast<std::int32_t>(j0);
+    if (!sparse_) return this->select_in_place(s, j, whole);
+    const float* k1 = ws.k_amx_l1.ptr + j0;
+    const tie_bound tb = near_tie_bound(ws, r);
+    if (this->pairs_in_vectors(j, whole)) {
+      return p_.pattern_m == 2 ? select_amx_vectors<2>(ws, r, j0, s, tb) : select_amx_vectors<4>(ws, r, j0, s, tb);
+    }
+    // Other N:M, and tiles with groups kept whole: every pair of a group compared (-inf against
+    // anything gives inf or NaN: never near), then select_in_place.
+    const int m = p_.pattern_m;
+    const auto bound = [&](int key) { return tb.c1q * k1[key] + tb.c0; };
+    for (int g = 0; g < w_; g += m) {
+      bool near = false;
+      for (int a = g; a < g + m && !near; ++a) {
+        for (int b = a + 1; b < g + m && !near; ++b) near = std::abs(s[a] - s[b]) <= bound(a) + bound(b);
+      }
+      if (near) settle_group(ws, r, s, j0, g, g + m);
+    }
+    return this->select_in_place(s, j, whole);
+#else
+    (void)ws, (void)r;
+    return this->select_in_place(s, static_cast<std::int32_t>(j0), whole);
+#endif
+  }
+
+  /// select_amx for 1:2 (M = 2) or 2:4 (M = 4) tiles without whole groups, a vector at a time. A
+  /// group is near where its kept and pruned scores are apart by at most twice the largest bound
+  /// of its keys (1:2: the sum of the pair's bounds): the N-th and (N+1)-th largest scores, b_N and
+  /// b_N+1, with b_N - b_N+1 > 2 max E ranks every kept key above every pruned one in the
+  /// micro-kernel too. A group that is not near has no tie at its boundary, so x >= b_N is its kept
+  /// set (and its -inf keys, if fewer than N are finite: zero weights either way), without
+  /// pruned_lanes' tie rules; a near group takes the micro-kernel's scores and pruned_lanes.
+  /// Measured (one thread, causal bf16, L = 2048, d = 64, medians of 12 interleaved calls): with a
+  /// pass of its own before the masking, comparing every pair of a group (the near groups rescored
+  /// key by key), then pruned_lanes, 1:2 took 49.7 and 2:4 92 ms (the pass alone 15% of a 2:4
+  /// call's samples); as here 47.2 and 63.4 ms; dense 54.8 (the machine's noise: minimums 47.5,
+  /// 62.0 / 45.0, 52.6 / 41.5 ms).
+  template <int M>
+  float select_amx_vectors(workspace& ws, int r, std::int64_t j0, float* s, tie_bound tb) const {
+#if DFSS_SIMD_AMX
+    const DF d;
+    const float* k1 = ws.k_amx_l1.ptr + j0;
+    const VF vc1 = hn::Set(d, tb.c1q), vc0 = hn::Set(d, tb.c0);
+    const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+    VF vmax = neg_inf;
+    for (int t = 0; t < w_; t += lanes_) {
+      VF x = hn::Load(d, s + t);
+      const VF e = hn::MulAdd(vc1, hn::Load(d, k1 + t), vc0);
+      const VF xs = hn::Shuffle2301(x);
+      VF gap, bound, kept_min;
+      if constexpr (M == 2) {
+        gap = hn::Sub(x, xs);
+        bound = hn::Add(e, hn::Shuffle2301(e));
+        kept_min = hn::Max(x, xs);
       } else {
-        for (int g0 = 0; g0 < width; g0 += m) settle(g0);
+        // Per pair its larger and smaller score; b_2 and b_3 are the larger and the smaller of
+        // (the smaller of the two larger ones) and (the larger of the two smaller ones).
+        const VF hi = hn::Max(x, xs), lo = hn::Min(x, xs);
+        const VF a = hn::Min(hi, hn::Shuffle1032(hi)), b = hn::Max(lo, hn::Shuffle1032(lo));
+        gap = hn::Sub(a, b);
+        const VF e2 = hn::Max(e, hn::Shuffle2301(e));
+        const VF e4 = hn::Max(e2, hn::Shuffle1032(e2));
+        bound = hn::Add(e4, e4);
+        kept_min = hn::Max(a, b);
+      }
+      // (-inf against anything gives a gap of inf or NaN: never near.)
+      const auto near = hn::Le(hn::Abs(gap), bound);
+      hn::Mask<DF> pruned = hn::Lt(x, kept_min);
+      if (!hn::AllFalse(d, near)) {
+        // The near groups' keys (their finite ones) take the micro-kernel's scores.
+        x = hn::IfThenElse(hn::And(near, hn::Gt(x, neg_inf)), fused_order_scores(ws, r, j0 + t), x);
+        pruned = base::template pruned_lanes<M>(x, typename base::group_lanes());
+      }
+      vmax = hn::Max(vmax, x);
+      hn::Store(hn::IfThenElse(pruned, neg_inf, x), d, s + t);
+    }
+    return hn::GetLane(hn::MaxOfLanes(d, vmax));
+#else
+    (void)ws, (void)r, (void)j0, (void)s, (void)tb;
+    return 0.0f;
+#endif
+  }
+
+  /// Row @p r's scores of the vector of keys from @p j (a multiple of the vector length) in the
+  /// fp32 micro-kernel's order, bitwise its scores: per lane one MulAdd per padded column, in
+  /// increasing order, from zero (a dependent chain: a whole vector costs what one key would).
+  VF fused_order_scores(const workspace& ws, int r, std::int64_t j) const {
+    const DF d;
+    const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
+    const float* kt = ws.kt.ptr + (j / panel_) * dp_ * panel_ + j % panel_;
+    VF acc = hn::Zero(d);
+    for (int c = 0; c < dp_; ++c) acc = hn::MulAdd(hn::Set(d, q[c]), hn::Load(d, kt + c * panel_), acc);
+    return acc;
+  }
+
+  /// The scores of keys [g0, g1) of the tile at @p j0 in row @p r, where not masked (-inf),
+  /// recomputed in the fp32 micro-kernel's order (fused_order_score).
+  void settle_group(const workspace& ws, int r, float* s, std::int64_t j0, int g0, int g1) const {
+    const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
+    const float* panels = ws.kt.ptr + (j0 / panel_) * dp_ * panel_;
+    for (int k = g0; k < g1; ++k) {
+      if (s[k] != -std::numeric_limits<float>::infinity()) {
+        s[k] = fused_order_score(q, panels + (k / panel_) * dp_ * panel_ + k % panel_);
       }
     }
-#else
-    (void)ws, (void)rows, (void)j0, (void)width;
-#endif
   }
 
   /// Row @p q's score against the key at @p kt (its column c at kt[c * panel]) in the micro-kernel's

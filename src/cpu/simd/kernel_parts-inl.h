@@ -154,7 +154,7 @@ struct workspace {
   aligned_buffer<std::uint32_t> vpair;  ///< avx3_bf16, dense: V rows of key pairs (pack_value_pair)
   // The forward's Q K^T on AMX tiles (amx_tiles.hpp): K panels and the query tile as bf16 column
   // pairs, the sum of |k_c| of each packed key, the largest |q| of each query row and |k| of the
-  // packed keys (settle_near_ties' bound).
+  // packed keys (the forward's select_amx bound).
   aligned_buffer<std::uint32_t> k_amx, q_amx, p_amx;  ///< p_amx: a dense tile's weights as bf16 pairs
   aligned_buffer<float> k_amx_l1, q_amx_max;
   float k_amx_max = 0.0f;
@@ -1074,6 +1074,75 @@ struct kernel {
     }
     max_out = hn::GetLane(hn::MaxOfLanes(d, vmax));
     return kept;
+  }
+
+  /// compact's selection without the compaction, for a NaN-free tile row @p s: the keys it does not
+  /// keep become -inf in place (a zero weight after exp2_poly), so that the row is a dense tile
+  /// again (the AMX P V, which has no sparse form, takes every key of the tile anyway). Returns the
+  /// largest score of the tile. The same kept set as compact (nm_select_group's rule).
+  HWY_INLINE float select_in_place(float* s, std::int32_t j0, const mask::whole_groups& whole) const {
+    const DF d;
+    const int n = p_.pattern_n, m = p_.pattern_m;
+    const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+    VF vmax = neg_inf;
+    if (pairs_in_vectors(j0, whole)) {
+      const group_lanes lanes;
+      for (int t = 0; t < w_; t += lanes_) {
+        const VF x = hn::Load(d, s + t);
+        vmax = hn::Max(vmax, x);
+        hn::Store(hn::IfThenElse(m == 2 ? pruned_lanes<2>(x, lanes) : pruned_lanes<4>(x, lanes), neg_inf, x), d, s + t);
+      }
+    } else {
+      for (int t = 0; t < w_; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
+      if (n < m) {
+        const bool whole_tile = mask::tile_has_whole_groups(whole, j0, w_);
+        for (int g = 0; g < w_; g += m) {
+          if (whole_tile && mask::group_is_whole(whole, j0 + g)) continue;
+          const std::uint32_t keep = select_group_generic(s + g, n, m);
+          for (int x = 0; x < m; ++x) {
+            if (((keep >> x) & 1u) == 0) s[g + x] = -std::numeric_limits<float>::infinity();
+          }
+        }
+      }
+    }
+    return hn::GetLane(hn::MaxOfLanes(d, vmax));
+  }
+
+  /// Whether the tile at @p j0 selects 1:2 or 2:4 with no group kept whole (@p whole): its groups
+  /// then lie inside 128-bit blocks (tiles start at multiples of the vector), which pruned_lanes
+  /// selects in registers.
+  bool pairs_in_vectors(std::int32_t j0, const mask::whole_groups& whole) const {
+    const int n = p_.pattern_n, m = p_.pattern_m;
+    return ((n == 1 && m == 2) || (n == 2 && m == 4)) && !mask::tile_has_whole_groups(whole, j0, w_);
+  }
+
+  /// Per lane whether its group partner p ^ 1 (after1), and p ^ 2 and p ^ 3 (after2), come before it.
+  struct group_lanes {
+    hn::Mask<DF> after1, after2;
+    group_lanes() {
+      const DF d;
+      const DI di;
+      const VI pos = hn::Iota(di, 0);
+      after1 = hn::RebindMask(d, hn::Ne(hn::And(pos, hn::Set(di, 1)), hn::Zero(di)));
+      after2 = hn::RebindMask(d, hn::Ne(hn::And(pos, hn::Set(di, 2)), hn::Zero(di)));
+    }
+  };
+
+  /// The lanes of one vector of NaN-free scores @p x that 1:2 (M = 2) or 2:4 (M = 4) prunes: lane p
+  /// is kept iff fewer than N of its group's partners rank above it (a higher score, or an equal one
+  /// at a lower index: nm_select_group's rule, -inf lowest, +0 == -0).
+  template <int M>
+  static HWY_INLINE hn::Mask<DF> pruned_lanes(VF x, const group_lanes& lanes) {
+    const auto above = [x](VF y, hn::Mask<DF> y_first) { return hn::Or(hn::Gt(y, x), hn::And(y_first, hn::Eq(y, x))); };
+    const auto above1 = above(hn::Shuffle2301(x), lanes.after1);
+    if constexpr (M == 2) {
+      return above1;
+    } else {
+      // Pruned iff at least two of the three partners rank above: a majority of three.
+      const auto above2 = above(hn::Shuffle1032(x), lanes.after2);
+      const auto above3 = above(hn::Shuffle0123(x), lanes.after2);
+      return hn::Or(hn::And(above1, above2), hn::And(hn::Or(above1, above2), above3));
+    }
   }
 
   /// select_pairs for scores without NaN (plain float compares rank them: -inf lowest, +0 == -0),

@@ -108,7 +108,8 @@ bool cpu_has_fast_bf16_dot() noexcept {
 
 bool cpu_uses_amx() noexcept {
   static const bool use = [] {
-    const bool has = cpu_has(cpu_feature::amx_bf16);
+    // (amx::weights_to_pairs converts with AVX512-BF16, which every CPU with AMX-BF16 has so far.)
+    const bool has = cpu_has(cpu_feature::amx_bf16) && cpu_has(cpu_feature::avx512bf16);
     if (const int forced = forced_answer("DFSS_CPU_AMX"); forced >= 0) return has && forced == 1;
     return has;
   }();

@@ -74,6 +74,14 @@ void qk_tile(const std::uint32_t* q, int rows, int dp, const std::uint32_t* pane
   }
 }
 
+void weights_to_pairs(const float* w, int pairs, std::uint32_t* out) noexcept {
+  for (int g = 0; g < pairs; g += 16) {
+    // Keys 2g .. 2g + 31 in order: the first 16 in the low half of the result.
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + 2 * g + 16), _mm512_loadu_ps(w + 2 * g));
+    _mm512_storeu_si512(out + g, reinterpret_cast<__m512i>(b));
+  }
+}
+
 void pv_tile(const std::uint32_t* p, int rows, int pairs, const std::uint32_t* v, int dp, float* acc) noexcept {
   // Tiles (configure's): 0 and 2 the accumulators of the two row blocks, 4 and 5 their weights, 6
   // the values. Per block of 16 columns, each accumulator tile is loaded and stored once.

@@ -44,6 +44,11 @@ void release() noexcept;
 void qk_tile(const std::uint32_t* q, int rows, int dp, const std::uint32_t* panels, int width, int w,
              float* s) noexcept;
 
+/// @p out[g] = the bf16 pair of @p w[2g] (low half) and @p w[2g + 1], for g < @p pairs (a multiple
+/// of 16): round to nearest even (vcvtne2ps2bf16), as float_to_bf16 rounds, except that results
+/// below bf16's normal range become 0, which pv_tile's tdpbf16ps reads them as anyway.
+void weights_to_pairs(const float* w, int pairs, std::uint32_t* out) noexcept;
+
 /// acc[r][0, dp) += sum over key pairs g < @p pairs of p_r,2g v_2g + p_r,2g+1 v_2g+1 for @p rows
 /// accumulator rows (row stride dp floats): @p p holds [rows][pairs] bf16 weight pairs (key 2g in the
 /// low half), @p v [pairs][dp] value pairs (column c of keys 2g and 2g + 1 in one 32-bit word, 2g in

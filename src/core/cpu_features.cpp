@@ -116,9 +116,9 @@ bool cpu_uses_amx() noexcept {
   return use;
 }
 
-bool cpu_splits_512bit_ops() noexcept {
-  static const bool split = [] {
-    if (const int forced = forced_answer("DFSS_CPU_SPLIT_512"); forced >= 0) return forced == 1;
+bool cpu_pair_blocks_pay() noexcept {
+  static const bool pay = [] {
+    if (const int forced = forced_answer("DFSS_CPU_PAIR_BLOCKS"); forced >= 0) return forced == 1;
 #if defined(__x86_64__) || defined(__i386__)
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!cpu_has(cpu_feature::avx512f) || __get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
@@ -127,12 +127,12 @@ bool cpu_splits_512bit_ops() noexcept {
     if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
     const unsigned base = (eax >> 8) & 0xfu;
     const unsigned family = base == 0xfu ? base + ((eax >> 20) & 0xffu) : base;
-    return family == 0x19u;  // Zen 4 (Zen 3, also 19h, has no AVX-512; Zen 5 is 1Ah)
+    return family >= 0x1au;  // Zen 5 and later (Zen 4, 19h, splits 512-bit operations)
 #else
     return false;
 #endif
   }();
-  return split;
+  return pay;
 }
 
 const char* cpu_feature_name(cpu_feature f) noexcept {

@@ -17,12 +17,14 @@ enum class cpu_feature { sse4_2, avx, avx2, fma, f16c, avx512f, avx512bw, avx512
 /// @brief Whether this CPU reports @p f and the OS enables it. Detected once, then cached.
 bool cpu_has(cpu_feature f) noexcept;
 
-/// @brief Whether this CPU executes 512-bit vector instructions as two 256-bit halves (AMD Zen 4:
-/// family 19h with AVX-512F), where the forward's 1:2 pair blocks measured slower than its
-/// row-at-a-time P V (docs/design.md, "The forward"). Detected once; the environment variable
-/// DFSS_CPU_SPLIT_512 = 0 or 1, read once, overrides the detection so that tests and benchmarks
-/// can run either form on any AVX-512 machine.
-bool cpu_splits_512bit_ops() noexcept;
+/// @brief Whether the forward's 1:2 pair blocks (a blend beside each FMA of the P V) measured
+/// faster than its row-at-a-time P V on this CPU (docs/design.md, "The forward"): AMD CPUs that
+/// run 512-bit vectors at full width (Zen 5: family 1Ah and later), not Zen 4 (family 19h, which
+/// splits 512-bit operations in halves) nor Intel's (Sapphire Rapids: blends and 512-bit FMAs
+/// share two ports, and row at a time measured 4-13% faster). Detected once; the environment
+/// variable DFSS_CPU_PAIR_BLOCKS = 0 or 1, read once, overrides the detection so that tests and
+/// benchmarks can run either form on any AVX-512 machine.
+bool cpu_pair_blocks_pay() noexcept;
 
 /// @brief Whether this CPU has AVX512_BF16 and its bf16 dot products (vdpbf16ps) are faster than
 /// fp32 FMAs on widened values: AMD's (Zen 4, Zen 5: the avx3_bf16 forward about 1.5x the avx3

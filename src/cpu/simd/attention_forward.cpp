@@ -52,7 +52,7 @@ class forward_pass : public kernel<T> {
         amx_pv_(amx_ && !p.fp32_weights),
         sparse_(p.pattern_n < p.pattern_m),
         dense_tiles_(!HWY_HAVE_SCALABLE && p.pattern_n == p.pattern_m && (!dot_ || dense_dot_fits())),
-        pair_tiles_(kPairBlocks && !core::cpu_splits_512bit_ops() && p.pattern_n == 1 && p.pattern_m == 2 && !dot_ &&
+        pair_tiles_(kPairBlocks && core::cpu_pair_blocks_pay() && p.pattern_n == 1 && p.pattern_m == 2 && !dot_ &&
                     !amx_pv_),
         q_tiles_((p.seqlen_q + kRowsPerTask - 1) / kRowsPerTask),
         chunk_(split_chunk_keys(p, q_tiles_, w_)),

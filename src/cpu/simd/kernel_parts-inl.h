@@ -510,9 +510,9 @@ HWY_INLINE void add_row_combination_pair(float* a_out, float* b_out, int dp, int
 #endif  // !HWY_HAVE_SCALABLE
 
 /// Whether the forward's 1:2 tiles may run add_tile_block (Paired). Its selects compete with the FMAs
-/// for the same ports on AVX2, and on AVX-512 CPUs that split 512-bit operations in halves (Zen 4:
-/// core::cpu_splits_512bit_ops, checked at run time), where the row-at-a-time combination measured
-/// faster (docs/design.md); scalable vectors (SVE) have no blocked products.
+/// for the same ports on AVX2, and on the AVX-512 CPUs other than AMD's Zen 5 and later (Zen 4,
+/// Intel: core::cpu_pair_blocks_pay, checked at run time), where the row-at-a-time combination
+/// measured faster (docs/design.md); scalable vectors (SVE) have no blocked products.
 #if HWY_HAVE_SCALABLE || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2
 inline constexpr bool kPairBlocks = false;
 #else

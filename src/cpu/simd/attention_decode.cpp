@@ -576,8 +576,18 @@ class decode_pass : public kernel<T> {
     const DI di;
     VI top = hn::Zero(di);
     const auto block_rows = [](int left) { return left >= R ? R : (left >= 2 ? 2 : 1); };
+    // K rows not back to back (the [B, L, Hkv, d] layout: each kv head's rows Hkv d apart), which
+    // the hardware prefetcher follows late: the next key block's rows requested ahead. Measured
+    // (Sapphire Rapids, bf16 cache, d = 128, Lk = 65536 from memory, 2 threads, alternating calls
+    // in one process): GQA 32:8 dense and 1:2 0.92-0.95x the time, MHA 0.94x; 32 keys ahead
+    // alike, V rows requested with K 1.05-1.08x. Rows back to back (a [B, Hkv, L, d] cache such as
+    // transformers') gained nothing (0.96-1.03x) and lost with 32 keys ahead (1.09-1.14x).
+    const bool spread = step != d_;
     dot_blocks(keys, block_rows, [&](int r0, int rb, int t0, int n) {
       const T* kb = k + t0 * step;
+      if (spread && r0 == 0) {
+        for (int t = t0 + lanes_; t < std::min(keys, t0 + 2 * lanes_); ++t) this->prefetch_lines(k + t * step);
+      }
       const float* q = (pair_dots<NV>() ? ws.qp.ptr : ws.q.ptr) + static_cast<std::int64_t>(r0) * dp_;
       float* s = ws.s.ptr + static_cast<std::int64_t>(r0) * w_ + t0;
       if (r0 == 0) {

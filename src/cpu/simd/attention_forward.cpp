@@ -748,7 +748,7 @@ class forward_pass : public kernel<T> {
       if (!hn::AllFalse(d, near)) {
         // The near groups' keys (their finite ones) take the micro-kernel's scores.
         x = hn::IfThenElse(hn::And(near, hn::Gt(x, neg_inf)), fused_order_scores(ws, r, j0 + t), x);
-        pruned = base::template pruned_lanes<M>(x, typename base::group_lanes());
+        pruned = base::template pruned_lanes<M>(x, base::partner_first(1), base::partner_first(2));
       }
       vmax = hn::Max(vmax, x);
       hn::Store(hn::IfThenElse(pruned, neg_inf, x), d, s + t);

@@ -1086,11 +1086,12 @@ struct kernel {
     const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
     VF vmax = neg_inf;
     if (pairs_in_vectors(j0, whole)) {
-      const group_lanes lanes;
+      const auto after1 = partner_first(1), after2 = partner_first(2);
       for (int t = 0; t < w_; t += lanes_) {
         const VF x = hn::Load(d, s + t);
         vmax = hn::Max(vmax, x);
-        hn::Store(hn::IfThenElse(m == 2 ? pruned_lanes<2>(x, lanes) : pruned_lanes<4>(x, lanes), neg_inf, x), d, s + t);
+        const auto pruned = m == 2 ? pruned_lanes<2>(x, after1, after2) : pruned_lanes<4>(x, after1, after2);
+        hn::Store(hn::IfThenElse(pruned, neg_inf, x), d, s + t);
       }
     } else {
       for (int t = 0; t < w_; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
@@ -1116,31 +1117,34 @@ struct kernel {
     return ((n == 1 && m == 2) || (n == 2 && m == 4)) && !mask::tile_has_whole_groups(whole, j0, w_);
   }
 
-  /// Per lane whether its group partner p ^ 1 (after1), and p ^ 2 and p ^ 3 (after2), come before it.
-  struct group_lanes {
-    hn::Mask<DF> after1, after2;
-    group_lanes() {
-      const DF d;
-      const DI di;
-      const VI pos = hn::Iota(di, 0);
-      after1 = hn::RebindMask(d, hn::Ne(hn::And(pos, hn::Set(di, 1)), hn::Zero(di)));
-      after2 = hn::RebindMask(d, hn::Ne(hn::And(pos, hn::Set(di, 2)), hn::Zero(di)));
-    }
-  };
+  /// Per lane whether its group partners p ^ 1 (@p bit 1) or p ^ 2 and p ^ 3 (@p bit 2) come before
+  /// it (pruned_lanes' after1 and after2). (Functions, not a struct of masks, and no lambdas capturing
+  /// vectors: SVE's sizeless types can be neither members nor captured by copy.)
+  static HWY_INLINE hn::Mask<DF> partner_first(int bit) {
+    const DF d;
+    const DI di;
+    return hn::RebindMask(d, hn::Ne(hn::And(hn::Iota(di, 0), hn::Set(di, bit)), hn::Zero(di)));
+  }
+
+  /// Whether @p y ranks above @p x: higher, or equal and first (@p y_first).
+  static HWY_INLINE hn::Mask<DF> ranks_above(VF y, VF x, hn::Mask<DF> y_first) {
+    return hn::Or(hn::Gt(y, x), hn::And(y_first, hn::Eq(y, x)));
+  }
 
   /// The lanes of one vector of NaN-free scores @p x that 1:2 (M = 2) or 2:4 (M = 4) prunes: lane p
   /// is kept iff fewer than N of its group's partners rank above it (a higher score, or an equal one
-  /// at a lower index: nm_select_group's rule, -inf lowest, +0 == -0).
+  /// at a lower index: nm_select_group's rule, -inf lowest, +0 == -0). @p after1, @p after2:
+  /// partner_first(1) and partner_first(2).
   template <int M>
-  static HWY_INLINE hn::Mask<DF> pruned_lanes(VF x, const group_lanes& lanes) {
-    const auto above = [x](VF y, hn::Mask<DF> y_first) { return hn::Or(hn::Gt(y, x), hn::And(y_first, hn::Eq(y, x))); };
-    const auto above1 = above(hn::Shuffle2301(x), lanes.after1);
+  static HWY_INLINE hn::Mask<DF> pruned_lanes(VF x, hn::Mask<DF> after1, hn::Mask<DF> after2) {
+    const auto above1 = ranks_above(hn::Shuffle2301(x), x, after1);
     if constexpr (M == 2) {
+      (void)after2;
       return above1;
     } else {
       // Pruned iff at least two of the three partners rank above: a majority of three.
-      const auto above2 = above(hn::Shuffle1032(x), lanes.after2);
-      const auto above3 = above(hn::Shuffle0123(x), lanes.after2);
+      const auto above2 = ranks_above(hn::Shuffle1032(x), x, after2);
+      const auto above3 = ranks_above(hn::Shuffle0123(x), x, after2);
       return hn::Or(hn::And(above1, above2), hn::And(hn::Or(above1, above2), above3));
     }
   }

@@ -353,10 +353,7 @@ class forward_pass : public kernel<T> {
     if (amx_tile) {
       tile_max = select_amx(ws, i, j0, s, whole);
     } else if (in_place) {
-      const DF d;
-      VF vmax = hn::Set(d, neg_inf);
-      for (int t = 0; t < w_; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
-      tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+      tile_max = this->select_in_place(s, static_cast<std::int32_t>(j0), whole);  // dense: the maximum
     } else {
       kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf, whole);
     }
@@ -667,7 +664,7 @@ class forward_pass : public kernel<T> {
   /// (ws.k_amx_l1) and c1 = (gamma(2u) + gamma(u)) / (1 - gamma(u)). Where every kept key i of a
   /// group and every pruned one j are apart by more than E_i + E_j, the micro-kernel keeps the same
   /// keys. A group where they are not (a near tie: rare on real data, every tie of integer inputs)
-  /// gets its scores recomputed in the micro-kernel's order, bitwise (fused_order_score), and is
+  /// gets its scores recomputed in the micro-kernel's order, bitwise (fused_order_scores), and is
   /// selected again. Masked keys (-inf) are never near: the micro-kernel masks them alike.
   ///
   /// Measured (2 threads, causal bf16, L = 2048, d = 64, random normal inputs): with the cruder A <=
@@ -773,24 +770,16 @@ class forward_pass : public kernel<T> {
   }
 
   /// The scores of keys [g0, g1) of the tile at @p j0 in row @p r, where not masked (-inf),
-  /// recomputed in the fp32 micro-kernel's order (fused_order_score).
+  /// recomputed in the fp32 micro-kernel's order (fused_order_scores of the vectors they lie in).
   void settle_group(const workspace& ws, int r, float* s, std::int64_t j0, int g0, int g1) const {
-    const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
-    const float* panels = ws.kt.ptr + (j0 / panel_) * dp_ * panel_;
-    for (int k = g0; k < g1; ++k) {
-      if (s[k] != -std::numeric_limits<float>::infinity()) {
-        s[k] = fused_order_score(q, panels + (k / panel_) * dp_ * panel_ + k % panel_);
+    const DF d;
+    HWY_ALIGN float fresh[hn::MaxLanes(d)];
+    for (int v0 = g0 / lanes_ * lanes_; v0 < g1; v0 += lanes_) {
+      hn::Store(fused_order_scores(ws, r, j0 + v0), d, fresh);
+      for (int k = std::max(g0, v0); k < std::min(g1, v0 + lanes_); ++k) {
+        if (s[k] != -std::numeric_limits<float>::infinity()) s[k] = fresh[k - v0];
       }
     }
-  }
-
-  /// Row @p q's score against the key at @p kt (its column c at kt[c * panel]) in the micro-kernel's
-  /// order: one MulAdd per padded column, in increasing order, from zero.
-  float fused_order_score(const float* q, const float* kt) const {
-    const DF d;
-    VF acc = hn::Zero(d);
-    for (int c = 0; c < dp_; ++c) acc = hn::MulAdd(hn::Set(d, q[c]), hn::Set(d, kt[c * panel_]), acc);
-    return hn::GetLane(acc);
   }
 
   /// acc += p * V[offset] over the @p kept compacted weights @p cv and V element offsets @p ci.

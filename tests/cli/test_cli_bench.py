@@ -154,6 +154,24 @@ def main():
     check(p.returncode == 0 and len(repro) == 1 and "--lengths 4096,16384,65536 " in repro[0] and
           "--head-dim 128 " in repro[0], "decode: default lengths and head dim (got %r)" % (repro,))
 
+    # --cache-layout blhd: the cache as [B, Lk, Hkv, d] memory (the kv heads of a key side by side,
+    # which the decode kernel walks chunk by chunk), same checks against the fp64 reference; named
+    # in the repro line; a layout it does not know is refused, naming the option.
+    out = os.path.join(tmp, "decode_blhd.json")
+    p = run(exe, ["--decode", "--lengths", "1100", "--decode-heads", "8:4", "--decode-dtypes", "f32,bf16",
+                  "--patterns", "dense,2:4", "--iters", "1", "--threads", "2", "--no-torch", "--cache-layout", "blhd",
+                  "--json", out])
+    check(p.returncode == 0, "decode blhd: exit status 0 (got %d: %s)" % (p.returncode, p.stderr[-300:]))
+    repro = [l for l in p.stdout.splitlines() if l.startswith("repro: ")]
+    check(len(repro) == 1 and "--cache-layout blhd " in repro[0], "decode blhd: in the repro line (got %r)" % (repro,))
+    rows = json.load(open(out))["rows"] if p.returncode == 0 else []
+    dfss_rows = [r for r in rows if r["row"].startswith("dfss ")]
+    check(len(dfss_rows) == 4 and all(r["max_err"] is not None and r["max_err"] < 1e-5 for r in dfss_rows),
+          "decode blhd: every dfss row against the fp64 reference (got %r)" % [(r["row"], r["max_err"]) for r in dfss_rows])
+    p = run(exe, ["--decode", "--cache-layout", "bthd", "--no-torch"])
+    check(p.returncode == 2 and "--cache-layout" in p.stderr, "decode: an unknown layout is refused (got %d: %s)"
+          % (p.returncode, p.stderr[-300:]))
+
     if failures:
         print("%d check(s) failed" % len(failures))
         return 1

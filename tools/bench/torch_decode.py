@@ -6,7 +6,9 @@ variables OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS set in the en
 one line "DFSS_TORCH_JSON {...}" that dfss bench parses.
 
 Per (cache length Lk, heads H:Hkv, cache dtype): q [B, H, Lq, d], k and v [B, Hkv, Lk, d] contiguous
-(Hugging Face's KV cache layout; dfss reads the same layout through strided views), standard normal,
+(Hugging Face's KV cache layout; dfss reads the same layout through strided views), or with
+--cache-layout blhd [B, Lk, Hkv, d] memory (dfss's and flash-attn's layout) that SDPA gets as
+transposed views, standard normal,
 F.scaled_dot_product_attention(q, k, v, enable_gqa=True) under torch.inference_mode. SDPA aligns
 is_causal top-left, dfss bottom-right: for Lq = 1 the causal mask is a no-op and SDPA gets
 is_causal=False; for Lq > 1 (speculative drafts) it gets the bottom-right mask as an explicit boolean
@@ -50,6 +52,7 @@ def main(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--seed", type=int, default=2023)
+    ap.add_argument("--cache-layout", choices=["bhld", "blhd"], default="bhld")
     ap.add_argument("--ref-max-keys", type=int, default=16384,
                     help="the float64 error check only up to this cache length (its copy is 2x the fp32 cache, "
                          "and 4x for GQA after repeat_interleave)")
@@ -83,8 +86,12 @@ def main(argv):
                            "method": "sdpa enable_gqa" + (" bottom-right mask" if mask is not None else "")}
                     try:
                         q = torch.randn(B, H, Lq, d, generator=gen).to(dt)
-                        k = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
-                        v = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
+                        if args.cache_layout == "blhd":
+                            k = torch.randn(B, Lk, Hkv, d, generator=gen).to(dt).transpose(1, 2)
+                            v = torch.randn(B, Lk, Hkv, d, generator=gen).to(dt).transpose(1, 2)
+                        else:
+                            k = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
+                            v = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
                         row["kv_bytes"] = 2 * k.numel() * k.element_size()
 
                         def step():

@@ -117,6 +117,11 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--query-rows", o.query_rows, "--decode: query rows per step (speculative drafts > 1)")
       ->capture_default_str();
+  c->add_option("--cache-layout", o.cache_layout,
+                "--decode: the KV cache's memory, bhld ([B, Hkv, Lk, d]: transformers') or blhd ([B, Lk, Hkv, d]: "
+                "dfss's and flash-attn's); SDPA reads the same memory")
+      ->check(CLI::IsMember({"bhld", "blhd"}))
+      ->capture_default_str();
   c->add_flag("--causal", o.causal,
               "causal mask (prefill; Lq = Lk so bottom-right = top-left): dfss causal, SDPA is_causal=True");
   // Runs at the end of the parse, while the options still exist (run_bench comes after the parser

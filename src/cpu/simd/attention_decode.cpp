@@ -35,8 +35,9 @@
 // LSE merge of docs/semantics.md (LSE_c = scale m_c + log l_c) held as (m, l) instead of LSE, so a
 // chunk whose scale * m_c overflows fp32 (LSE = +inf) still merges to the fused forward's finite O.
 //
-// The chunk length depends on the shape only (decode_chunk_keys), is a multiple of W (so of M and
-// of the panel), and the fold order is fixed: results are bitwise identical for any thread count.
+// The chunk length depends on the shape (and on whether the kv heads are interleaved in memory)
+// only (decode_chunk_keys), is a multiple of W (so of M and of the panel), and the fold order is
+// fixed: results are bitwise identical for any thread count.
 // Memory: per thread O(W (d + group Lq)) scratch; per call the partial states, O(B Hkv chunks group
 // Lq d) floats.
 #include "cpu/simd/targets.hpp"  // first: it fixes the compiled targets
@@ -75,12 +76,24 @@ inline constexpr int kDecodeKeyTile = 256;
 /// 32 rows of fp32 at d = 128 are 16 KiB, half of Zen 4's L1.
 inline constexpr int kKeyMajorBlock = 32;
 
-/// Keys per chunk: a multiple of the key tile width @p w (so of M), a function of the shape only.
+/// Whether the kv heads of a key lie side by side in memory (K's head stride below its key stride:
+/// a [B, L, Hkv, d] cache, dfss's and flash-attn's layout, not transformers' [B, Hkv, L, d]). A
+/// task then reads every Hkv-th run of d values, and the hardware prefetchers fetch the other
+/// heads' rows beside them: those are used only if the tasks of the other kv heads read the same
+/// keys soon after, from the cache levels. So the tasks go key chunk by key chunk (all kv heads of
+/// a chunk, then the next chunk) and the chunks are the shortest (kDecodeMinChunk keys). Measured
+/// (Sapphire Rapids, GQA 32:8, bf16, d = 128, Lk = 65536, 2 threads, alternating calls in one
+/// process): 45.2 ms with kv head by kv head and 4096-key chunks, 31.1 ms chunk by chunk, 28.1 ms
+/// with 512-key chunks; a [B, Hkv, L, d] cache of the same values: 23.6 ms either way.
+inline bool heads_interleaved(const attention_params& p) { return p.heads_kv > 1 && p.k_stride[2] < p.k_stride[1]; }
+
+/// Keys per chunk: a multiple of the key tile width @p w (so of M), a function of the shape and
+/// heads_interleaved only.
 inline std::int64_t decode_chunk_keys(const attention_params& p, int w) {
   const std::int64_t pairs = std::max<std::int64_t>(1, p.batch * p.heads_kv);
   const std::int64_t want = (kDecodeTargetTasks + pairs - 1) / pairs;
   const std::int64_t most = std::max<std::int64_t>(1, (p.seqlen_k + kDecodeMinChunk - 1) / kDecodeMinChunk);
-  const std::int64_t chunks = std::min(want, most);
+  const std::int64_t chunks = heads_interleaved(p) ? most : std::min(want, most);
   const std::int64_t keys = (p.seqlen_k + chunks - 1) / chunks;
   return std::max<std::int64_t>(w, (keys + w - 1) / w * w);
 }
@@ -223,11 +236,17 @@ class decode_pass : public kernel<T> {
     // Tasks cost the same but for masks (key lengths, causal rows): one at a time. The task that
     // finishes the last chunk of a (batch, kv head) folds it (chunked_states; a second parallel
     // region for the folds cost a whole time slice per call whenever the cores were shared).
+    // Task t = ((b Hkv + kv head) chunks + chunk); taken in that order, or chunk-major within a
+    // batch where the kv heads are interleaved (heads_interleaved).
     chunked_states chunked(pairs, chunks_, tasks * rows_, dp_);
     const partial_states parts = chunked.view();
+    const bool by_chunk = heads_interleaved(p_);
+    const std::int64_t hkv = p_.heads_kv;
     parallel_for(
         tasks, p_.num_threads, schedule::dynamic, [&] { reserve(worker_scratch<decode_workspace>()); },
-        [&](std::int64_t t) {
+        [&](std::int64_t i) {
+          const std::int64_t within = i % (chunks_ * hkv), b = i / (chunks_ * hkv);
+          const std::int64_t t = by_chunk ? (b * hkv + within % hkv) * chunks_ + within / hkv : i;
           task(worker_scratch<decode_workspace>(), t, parts);
           const std::int64_t pair = t / chunks_;
           if (chunked.finish(pair)) fold(pair, parts);

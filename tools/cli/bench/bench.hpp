@@ -54,6 +54,7 @@ struct bench_options {
   std::vector<std::string> decode_heads{"32:32", "32:8"};
   std::vector<std::string> decode_dtypes{"f32", "bf16"};
   long long query_rows = 1;
+  std::string cache_layout = "bhld";  // --decode: the cache's memory, [B, Hkv, Lk, d] or [B, Lk, Hkv, d]
   // --causal: the sweep with a causal mask (prefill), SDPA with is_causal=True
   bool causal = false;
   // Whether --lengths and --head-dim were given (--backward and --decode change their defaults),

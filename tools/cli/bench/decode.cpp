@@ -181,9 +181,10 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
   q.fill(static_cast<std::size_t>(B * Lq * H * d), type, rng);
   k.fill(kv_n, type, rng);
   v.fill(kv_n, type, rng);
-  // [B, Hkv, Lk, d] memory seen as [B, Lk, Hkv, d].
+  // [B, Hkv, Lk, d] memory seen as [B, Lk, Hkv, d] (bhld), or [B, Lk, Hkv, d] memory (blhd).
+  const bool blhd = g_opt.cache_layout == "blhd";
   const auto strided = [&](auto* data) {
-    return make_strided_view(data, {B, Lk, Hkv, d}, {Hkv * Lk * d, d, Lk * d, 1});
+    return blhd ? make_view(data, {B, Lk, Hkv, d}) : make_strided_view(data, {B, Lk, Hkv, d}, {Hkv * Lk * d, d, Lk * d, 1});
   };
   const auto cache_view = [&](input_tensor& x) {
     switch (x.type) {
@@ -368,7 +369,8 @@ void bench_decode_torch(const std::vector<decode_config>& configs, std::vector<d
   std::vector<std::string> labels;
   for (const auto& t : g_opt.decode_dtypes) labels.push_back(dtype_label(t));
   cmd << join(labels) << " --batch " << g_opt.batch << " --query-rows " << g_opt.query_rows << " --head-dim "
-      << g_opt.head_dim << " --threads " << g_opt.threads << " --iters " << g_opt.iters << " --seed " << g_opt.seed;
+      << g_opt.head_dim << " --threads " << g_opt.threads << " --iters " << g_opt.iters << " --seed " << g_opt.seed
+      << " --cache-layout " << g_opt.cache_layout;
   log_stderr("  torch %s (%s): SDPA decode\n", peer->version.c_str(), peer->python.c_str());
   g_progress.show(++g_rows_done, 1, "torch " + peer->version + " SDPA, every configuration");
   int rc = 0;
@@ -445,14 +447,17 @@ int run_decode() {
   std::printf("machine: %s, %d hardware threads; compiler: %s\n", cpu_model().c_str(), hardware_threads(),
               info.compiler.c_str());
   std::printf(
-      "run: one decode step, B=%lld, Lq=%lld, d=%lld, causal (bottom-right), cache [B, Hkv, Lk, d] random normal, "
+      "run: one decode step, B=%lld, Lq=%lld, d=%lld, causal (bottom-right), cache %s random normal, "
       "%d threads, median of %d calls (round-robin with the memory sweep, each after a 128 MiB read elsewhere)\n",
-      g_opt.batch, g_opt.query_rows, g_opt.head_dim, g_opt.threads, g_opt.iters);
+      g_opt.batch, g_opt.query_rows, g_opt.head_dim,
+      g_opt.cache_layout == "blhd" ? "[B, Lk, Hkv, d]" : "[B, Hkv, Lk, d]", g_opt.threads, g_opt.iters);
   std::printf("load average at start: %s\n", load_average().c_str());
   std::printf("repro: dfss bench --decode --lengths %s --decode-heads %s --decode-dtypes %s --patterns %s "
-              "--query-rows %lld --batch %lld --head-dim %lld --threads %d --iters %d --seed %llu --isa %s%s\n\n",
+              "--query-rows %lld --batch %lld --head-dim %lld --cache-layout %s --threads %d --iters %d --seed %llu --isa "
+              "%s%s\n\n",
               join(g_opt.lengths).c_str(), join(g_opt.decode_heads).c_str(), join(g_opt.decode_dtypes).c_str(),
-              join(g_opt.patterns).c_str(), g_opt.query_rows, g_opt.batch, g_opt.head_dim, g_opt.threads,
+              join(g_opt.patterns).c_str(), g_opt.query_rows, g_opt.batch, g_opt.head_dim, g_opt.cache_layout.c_str(),
+              g_opt.threads,
               g_opt.iters, g_opt.seed, g_opt.isas.at(0).c_str(), g_opt.no_torch ? " --no-torch" : "");
   std::fflush(stdout);
   g_progress.enable(g_opt.progress || isatty(STDERR_FILENO) != 0, isatty(STDERR_FILENO) != 0);

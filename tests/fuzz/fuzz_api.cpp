@@ -149,16 +149,17 @@ double load(const std::uint8_t* p, dtype t, i64 off) {
   return *e;
 }
 
-/// A key length as stored (exact for i32 and i64).
+/// @p x as an integer for the integer types (NaN as 0, the rest clamped then wrapped to the type).
+i64 as_int(double x) { return std::isnan(x) ? 0 : static_cast<i64>(std::clamp(x, -0x1p62, 0x1p62)); }
+
+/// A key length as stored (exact for i32 and i64; another type, which the API refuses for key
+/// lengths, through as_int: a NaN or huge value there must not make the harness itself undefined).
 i64 load_int(const std::uint8_t* p, dtype t, i64 off) {
   const std::uint8_t* e = p + off * static_cast<i64>(item(t));
   if (t == dtype::i32) return get<std::int32_t>(e);
   if (t == dtype::i64) return get<i64>(e);
-  return static_cast<i64>(load(p, t, off));
+  return as_int(load(p, t, off));
 }
-
-/// @p x as an integer for the integer types (NaN as 0, the rest clamped then wrapped to the type).
-i64 as_int(double x) { return std::isnan(x) ? 0 : static_cast<i64>(std::clamp(x, -0x1p62, 0x1p62)); }
 
 /// Stores @p x; the float types round it, the integer types take as_int(x) modulo their range.
 void store(std::uint8_t* p, dtype t, i64 off, double x) {

@@ -55,7 +55,9 @@ struct shape {
 /// (4 / 1) and MHA, key lengths with a 0 and ends inside a group of 4, d = 128, an odd d, and
 /// d = 256 (on AVX-512 a Q K^T block of one row: eight keys per sum of lanes, store_sums8), and an
 /// odd number of rows per kv head at d = 128 (group 3 times 3 drafts: the key-major P V's passes of
-/// whole rows end with a pass of one row).
+/// whole rows end with a pass of one row). The f32 and bf16 caches are [B, L, Hkv, d] memory (kv
+/// heads interleaved: tasks of several kv heads, decode_head_block, on one thread, of one head on
+/// more), the f16 ones [B, Hkv, L, d]; 3 kv heads make blocks of 2 and 1 on one thread.
 std::vector<shape> decode_shapes() {
   return {
       {1, 1, 1, 1, 1, 8, false, false, {}},
@@ -67,6 +69,7 @@ std::vector<shape> decode_shapes() {
       {1, 1, 4099, 2, 2, 128, false, false, {}},
       {1, 2, 300, 4, 2, 256, false, false, {300}},
       {1, 3, 700, 6, 2, 128, false, false, {}},
+      {1, 2, 1300, 6, 3, 64, false, false, {}},
   };
 }
 

@@ -240,7 +240,6 @@ struct decode_workspace {
 /// Per-thread scratch of the decode tasks: one workspace per kv head of a task (decode_head_block).
 struct decode_heads {
   std::vector<std::unique_ptr<decode_workspace>> ws;  // not movable (aligned buffers): by pointer
-  std::vector<decode_workspace*> at;                  // ws's pointers, for the task
 };
 
 template <typename T>
@@ -268,8 +267,9 @@ class decode_pass : public kernel<T> {
     // Tasks cost the same but for masks (key lengths, causal rows): one at a time. The task that
     // finishes the last chunk of a (batch, kv head) folds it (chunked_states; a second parallel
     // region for the folds cost a whole time slice per call whenever the cores were shared).
-    // Task t = ((b Hkv + kv head) chunks + chunk); taken in that order, or chunk-major within a
-    // batch where the kv heads are interleaved (heads_interleaved).
+    // Tasks (b, kv head, chunk), chunk fastest; where the kv heads are interleaved
+    // (heads_interleaved), (b, chunk, block of kv heads: decode_head_block), block fastest. Partial
+    // states sit at the canonical index (b Hkv + kv head) chunks + chunk either way (end_head).
     chunked_states chunked(pairs, chunks_, tasks * rows_, dp_);
     const partial_states parts = chunked.view();
     const bool by_chunk = heads_interleaved(p_);
@@ -281,11 +281,7 @@ class decode_pass : public kernel<T> {
         [&] {
           decode_heads& heads = worker_scratch<decode_heads>();
           while (heads.ws.size() < static_cast<std::size_t>(block)) heads.ws.push_back(std::make_unique<decode_workspace>());
-          heads.at.clear();
-          for (std::int64_t h = 0; h < block; ++h) {
-            reserve(*heads.ws[static_cast<std::size_t>(h)]);
-            heads.at.push_back(heads.ws[static_cast<std::size_t>(h)].get());
-          }
+          for (std::int64_t h = 0; h < block; ++h) reserve(*heads.ws[static_cast<std::size_t>(h)]);
         },
         [&](std::int64_t i) {
           std::int64_t b = i / (chunks_ * hkv), hk0 = (i / chunks_) % hkv, chunk = i % chunks_, n = 1;
@@ -295,7 +291,7 @@ class decode_pass : public kernel<T> {
             hk0 = (i % blocks) * block;
             n = std::min(block, hkv - hk0);
           }
-          task(worker_scratch<decode_heads>().at.data(), b, hk0, static_cast<int>(n), chunk, parts);
+          task(worker_scratch<decode_heads>().ws.data(), b, hk0, static_cast<int>(n), chunk, parts);
           for (std::int64_t h = 0; h < n; ++h) {
             const std::int64_t pair = b * hkv + hk0 + h;
             if (chunked.finish(pair)) fold(pair, parts);
@@ -356,7 +352,7 @@ class decode_pass : public kernel<T> {
   /// head hk0 + h): the tiles of the chunk in order, each head's step of the software pipeline per
   /// tile, so that the heads read the same keys one after another (decode_head_block). Each head's
   /// work is what a task of that head alone does, in the same order: the same bits.
-  void task(decode_workspace* const* ws, std::int64_t b, std::int64_t hk0, int n, std::int64_t chunk,
+  void task(const std::unique_ptr<decode_workspace>* ws, std::int64_t b, std::int64_t hk0, int n, std::int64_t chunk,
             const partial_states& parts) const {
     std::int64_t tile_end = 0;  // keys at or past every row's limit are never read
     for (std::int64_t i = 0; i < p_.seqlen_q; ++i) tile_end = std::max(tile_end, this->key_limit(b, i));

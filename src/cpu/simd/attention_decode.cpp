@@ -28,6 +28,11 @@
 //      the weights rounded to bf16, bf16dot::decode_pv); a panel tile converts the union of kept
 //      rows once into scratch (prefetched when the tile's selection is known, read after the next
 //      tile's scores; a dense pattern's V is prefetched with K).
+// Where the cache's kv heads are interleaved in memory ([B, L, Hkv, d]: dfss's and flash-attn's
+// layout), a task is a block of kv heads of one chunk (decode_head_block), and each tile's direct
+// Q K^T and P V go in phases of kDecodePhaseKeys keys, every head of the block in turn, so that the
+// heads' segments of the same key rows are read close together; each head's arithmetic is what a
+// task of that head alone does, in the same order.
 // Each task leaves its rows' partial state (max m_c, sum l_c, unnormalised accumulator, NaN flag).
 // The task that finishes the last chunk of a (batch, kv head) folds its chunks in increasing order
 // with the online softmax rescale (the same update the forward applies between key tiles): m = max(m, m_c),
@@ -38,8 +43,8 @@
 // The chunk length depends on the shape (and on whether the kv heads are interleaved in memory)
 // only (decode_chunk_keys), is a multiple of W (so of M and of the panel), and the fold order is
 // fixed: results are bitwise identical for any thread count.
-// Memory: per thread O(W (d + group Lq)) scratch; per call the partial states, O(B Hkv chunks group
-// Lq d) floats.
+// Memory: per thread O(W d + block group Lq (W + d)) scratch (block: kv heads per task); per call the
+// partial states, O(B Hkv chunks group Lq d) floats.
 #include "cpu/simd/targets.hpp"  // first: it fixes the compiled targets
 
 #undef HWY_TARGET_INCLUDE
@@ -90,14 +95,28 @@ inline constexpr int kKeyMajorBlock = 32;
 inline bool heads_interleaved(const attention_params& p) { return p.heads_kv > 1 && p.k_stride[2] < p.k_stride[1]; }
 
 /// Kv heads per decode task at most where they are interleaved (heads_interleaved): a task keeps one
-/// workspace per head (a few hundred KiB each, most of it the panel path's scratch). Measured
-/// (Sapphire Rapids, d = 128, bf16, 2 threads, alternating calls in one process, against tasks of
-/// one kv head): GQA 32:8 at 65536 keys 0.80x the time with blocks of 8 (all) kv heads, 0.82x for
-/// 1:2, 0.95x with blocks of 4, 0.88x at 4096 keys; MHA 32:32 at 16384 keys the same time with
-/// blocks of 4, 8 or 32 (its 8 KiB key rows: no gain to take).
-inline constexpr std::int64_t kDecodeHeadBlock = 8;
+/// workspace per head (tens of KiB: the panel path's scratch is the task's, panel_scratch).
+/// Measured (Sapphire Rapids, d = 128, bf16, 2 threads, alternating calls in one process): against
+/// tasks of one kv head, GQA 32:8 at 65536 keys 0.80x the time with blocks of 8 (all) kv heads,
+/// 0.82x for 1:2, 0.95x with blocks of 4, 0.88x at 4096 keys; MHA 32:32 at 16384 keys the same time
+/// with blocks of 4, 8 or 32 while the heads took whole tiles in turn. With phases
+/// (kDecodePhaseKeys), against blocks of 8: MHA 32:32 blocks of 16 0.94x the time (dense) and 0.88x
+/// (1:2) at 16384 keys, 0.84x at 65536; blocks of 32 the same as 16.
+inline constexpr std::int64_t kDecodeHeadBlock = 16;
 /// Tasks per thread that the kv heads' blocks aim for at least, for dynamic scheduling to balance.
 inline constexpr std::int64_t kDecodeTasksPerThread = 4;
+/// Keys per phase of a tile where the kv heads are interleaved (heads_interleaved): the tile's Q K^T
+/// and its P V go phase by phase, every kv head of the task's block in turn within a phase
+/// (decode_pass::task), so that the heads' segments of a key row are read while the lines the
+/// hardware prefetchers fetched beside them are still in L1. Head by head over whole tiles of 256
+/// keys, those lines were gone by the time the next head read them. A read-only model of the
+/// two orders over a bf16 cache (d = 128, blocks of 8 kv heads, 2 Sapphire Rapids threads) read at
+/// 0.56-0.60 of a plain sweep's rate head by head, at 1.03-1.22 with phases of 16 or 32 keys and
+/// 0.93-1.06 with 64. One key-major block of P V per phase (kKeyMajorBlock), a whole number of
+/// vectors of keys on every fixed-width target (so the dot products' blocks are those of whole
+/// tiles: the same bits).
+inline constexpr int kDecodePhaseKeys = 32;
+static_assert(kDecodePhaseKeys == kKeyMajorBlock, "one key-major block of P V per phase");
 
 /// Kv heads per task: 1, or where the kv heads are interleaved, up to kDecodeHeadBlock heads of one
 /// key chunk, taken tile by tile (decode_pass::task), so that the heads read the same keys one after
@@ -222,24 +241,43 @@ HWY_INLINE void store_blocks(D d, hn::Vec<D> v, float* dst, std::int64_t stride)
 }
 #endif
 
-/// Per-thread scratch of the decode tasks (worker_scratch): the group's Q rows, one K tile in
-/// panels, the S tile, the kept V rows of the tile, and per row its compacted kept scores and
-/// offsets, accumulator and softmax state.
+/// decode_pass::key_major_accumulate's plan of a tile, made in its first phase.
+struct key_major_plan {
+  const float* weights = nullptr;  ///< row r's weight of key t at weights[r * wstride + t]
+  std::int64_t wstride = 0;
+  int nu = 0;                 ///< keys read (ws.union_keys), 0: none
+  bool whole_tile = false;    ///< the tile's keys are read whole, in address order
+};
+
+/// The panel path's scratch, used within one call for one kv head (panel_scores, accumulate_tile),
+/// so shared by the kv heads of a task: one K tile in panels, the rows being converted, the kept V
+/// rows of a tile (row W: the zero row that masked and padding slots point at). Most of a head's
+/// scratch (256 of about 270 KiB at d = 128), which blocks of 16 kv heads would otherwise repeat.
+struct panel_scratch {
+  aligned_buffer<float> kt, rows, vt;
+};
+
+/// A kv head's scratch in a decode task: the group's Q rows, the S tile, and per row its compacted
+/// kept scores and offsets, accumulator and softmax state; the panel path's at @p panel (the task's).
 struct decode_workspace {
-  aligned_buffer<float> q, q_max, kt, rows, s, vt, acc, cv, row_max, row_sum, row_tile_max;
+  panel_scratch* panel = nullptr;
+  aligned_buffer<float> q, q_max, s, acc, cv, row_max, row_sum, row_tile_max;
   aligned_buffer<float> weights, acc_saved;  ///< key-major P V of a direct tile: [rows][W] weights, acc before it
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
   aligned_buffer<std::uint16_t> qb;  ///< avx3_bf16 with a bf16 cache: the group's Q rows as bf16
   aligned_buffer<float> qp;          ///< a bf16 cache in the pair layout: the group's Q rows in it
   aligned_buffer<std::int32_t> union_keys, union_mark;  ///< the tile's keys some row kept, and their marks
+  aligned_buffer<std::int32_t> slot_next;  ///< per row: its first slot the next phase of direct_accumulate adds
   aligned_buffer<std::uint16_t> touch;  ///< where direct_accumulate's read of a whole V tile ends up
   int tile_keys[2] = {0, 0};            ///< per slot set (parity): keys of the tile before tile_end
   bool direct[2] = {false, false};      ///< per slot set (parity): the tile took the direct path
+  key_major_plan key_major;             ///< of the tile whose P V is in progress
 };
 
 /// Per-thread scratch of the decode tasks: one workspace per kv head of a task (decode_head_block).
 struct decode_heads {
   std::vector<std::unique_ptr<decode_workspace>> ws;  // not movable (aligned buffers): by pointer
+  panel_scratch panel;
 };
 
 template <typename T>
@@ -259,7 +297,8 @@ class decode_pass : public kernel<T> {
         dense_(p.pattern_n == p.pattern_m),
         direct_(!HWY_HAVE_SCALABLE && d_ % lanes_ == 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1),
         dot_(DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16> && direct_ && d_ % 32 == 0),
-        pairs_(std::is_same_v<T, bfloat16> && direct_ && !dot_ && (d_ / lanes_) % 2 == 0) {}
+        pairs_(std::is_same_v<T, bfloat16> && direct_ && !dot_ && (d_ / lanes_) % 2 == 0),
+        interleaved_(heads_interleaved(p)) {}
 
   void run() const {
     const std::int64_t pairs = p_.batch * p_.heads_kv;
@@ -281,7 +320,8 @@ class decode_pass : public kernel<T> {
         [&] {
           decode_heads& heads = worker_scratch<decode_heads>();
           while (heads.ws.size() < static_cast<std::size_t>(block)) heads.ws.push_back(std::make_unique<decode_workspace>());
-          for (std::int64_t h = 0; h < block; ++h) reserve(*heads.ws[static_cast<std::size_t>(h)]);
+          reserve(heads.panel);
+          for (std::int64_t h = 0; h < block; ++h) reserve(*heads.ws[static_cast<std::size_t>(h)], heads.panel);
         },
         [&](std::int64_t i) {
           std::int64_t b = i / (chunks_ * hkv), hk0 = (i / chunks_) % hkv, chunk = i % chunks_, n = 1;
@@ -311,19 +351,26 @@ class decode_pass : public kernel<T> {
   using base::scale_;
   using base::w_;
 
-  void reserve(decode_workspace& ws) const {
+  void reserve(panel_scratch& ps) const {
+    const auto dp = static_cast<std::size_t>(dp_), w = static_cast<std::size_t>(w_);
+    ps.kt.resize(w * dp);
+    ps.rows.resize(static_cast<std::size_t>(panel_) * dp);
+    ps.vt.resize((w + 1) * dp);
+    std::fill(ps.vt.ptr + w * dp, ps.vt.ptr + (w + 1) * dp, 0.0f);
+  }
+
+  void reserve(decode_workspace& ws, panel_scratch& ps) const {
     const auto rows = static_cast<std::size_t>(rows_mk_);
     const auto dp = static_cast<std::size_t>(dp_), w = static_cast<std::size_t>(w_);
+    ws.panel = &ps;
     ws.q.resize(rows * dp);
-    ws.kt.resize(w * dp);
-    ws.rows.resize(static_cast<std::size_t>(panel_) * dp);
     ws.s.resize(rows * w);
-    ws.vt.resize((w + 1) * dp);
     ws.acc.resize(rows * dp);
     ws.weights.resize(rows * w);
     ws.acc_saved.resize(rows * dp);
     ws.union_keys.resize(w);
     ws.union_mark.resize(w);
+    ws.slot_next.resize(rows);
     std::fill(ws.union_mark.ptr, ws.union_mark.ptr + w, 0);
     // Two sets of compacted slots, kept counts and used keys: the tile being selected and the one
     // whose P V is pending.
@@ -339,8 +386,6 @@ class decode_pass : public kernel<T> {
     ws.q_max.resize(rows);
     if (dot_) ws.qb.resize(rows * dp);
     if (pairs_) ws.qp.resize(rows * dp);
-    // Row w of the tile's V is the zero row that masked and padding slots point at.
-    std::fill(ws.vt.ptr + w * dp, ws.vt.ptr + (w + 1) * dp, 0.0f);
     std::fill(ws.used.ptr, ws.used.ptr + 2 * w, 0);
   }
 
@@ -363,21 +408,30 @@ class decode_pass : public kernel<T> {
     // Software pipeline over the tiles: the V rows a tile kept are prefetched when its selection is
     // known and read one tile later, so the loads of V overlap the next tile's scores (a decode step
     // is bound by memory: without it one thread reached a third of the bandwidth of a plain sweep).
+    // Each head's steps of a tile in the same order as a task of that head alone (its selection,
+    // the previous tile's P V, the softmax update); the direct path's Q K^T and P V in phases
+    // (phase_keys), every head in turn within a phase.
     int parity = 0;
     std::int64_t pending = -1;  // the tile whose P V product is still to do
-    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += w_) {
-      for (int h = 0; h < n; ++h) {
-        select_tile(*ws[h], parity, b, hk0 + h, j0, j_end, tile_end, q_risky[h]);
-        if (pending >= 0) accumulate_tile(*ws[h], 1 - parity, b, hk0 + h, pending);
-        update_rows(*ws[h], parity, b, hk0 + h, j0);
+    bool try_direct[kDecodeHeadBlock], direct[kDecodeHeadBlock];
+    for (int h = 0; h < n; ++h) try_direct[h] = direct_ && !q_risky[h];
+    const auto accumulate = [&](int slots, std::int64_t j0) {
+      const int keys = ws[0]->tile_keys[slots];  // the same tile for every head
+      const int phase = phase_keys(keys);
+      for (int t0 = 0; t0 < keys; t0 += phase) {
+        for (int h = 0; h < n; ++h) accumulate_tile(*ws[h], slots, b, hk0 + h, j0, t0, std::min(keys, t0 + phase));
       }
+    };
+    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += w_) {
+      direct_scores(ws, n, b, hk0, j0, tile_end, try_direct, direct);
+      for (int h = 0; h < n; ++h) select_tile(*ws[h], parity, b, hk0 + h, j0, j_end, tile_end, q_risky[h], direct[h]);
+      if (pending >= 0) accumulate(1 - parity, pending);
+      for (int h = 0; h < n; ++h) update_rows(*ws[h], parity, b, hk0 + h, j0);
       pending = j0;
       parity = 1 - parity;
     }
-    for (int h = 0; h < n; ++h) {
-      if (pending >= 0) accumulate_tile(*ws[h], 1 - parity, b, hk0 + h, pending);
-      end_head(*ws[h], (b * p_.heads_kv + hk0 + h) * chunks_ + chunk, parts);
-    }
+    if (pending >= 0) accumulate(1 - parity, pending);
+    for (int h = 0; h < n; ++h) end_head(*ws[h], (b * p_.heads_kv + hk0 + h) * chunks_ + chunk, parts);
   }
 
   /// A head's rows before its first tile: accumulators and softmax state reset, and (where the
@@ -430,15 +484,15 @@ class decode_pass : public kernel<T> {
     }
   }
 
-  /// Tile j0, first half: S = Q K^T (direct_scores, else panel_scores; which one is recorded for
-  /// the slots of @p parity), and per row bias, masks, NaN detection and the N:M selection into the
-  /// compacted slots of @p parity,
+  /// Tile j0, first half: S = Q K^T (the scores direct_scores left where @p direct, else
+  /// panel_scores; which one is recorded for the slots of @p parity), and per row bias, masks, NaN
+  /// detection and the N:M selection into the compacted slots of @p parity,
   /// with the tile's maximum in row_tile_max (-inf: nothing kept, or the tile is past the row's keys).
   void select_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0,
-                   std::int64_t j_end, std::int64_t tile_end, bool q_risky) const {
+                   std::int64_t j_end, std::int64_t tile_end, bool q_risky, bool direct) const {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     bool risky = q_risky;
-    ws.direct[parity] = direct_ && !q_risky && direct_scores(ws, b, hk, j0, tile_end);
+    ws.direct[parity] = direct;
     ws.tile_keys[parity] = static_cast<int>(std::min<std::int64_t>(w_, tile_end - j0));
     if (!ws.direct[parity]) panel_scores(ws, b, hk, j0, j_end, tile_end, risky);
 
@@ -467,7 +521,7 @@ class decode_pass : public kernel<T> {
   /// zeros: every row masks them, and a padded cache's garbage there must not flag the tile as risky.
   void panel_scores(decode_workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t j0, std::int64_t j_end,
                     std::int64_t tile_end, bool& risky) const {
-    float* rows = ws.rows.ptr;
+    float* rows = ws.panel->rows.ptr;
     for (int blk = 0; blk < w_ / panel_; ++blk) {
       for (int t = 0; t < panel_; ++t) {
         const std::int64_t j = j0 + blk * panel_ + t;
@@ -479,9 +533,9 @@ class decode_pass : public kernel<T> {
         this->load_row(p_.k, p_.k_stride, b, j, hk, j < tile_end, rows + t * dp_);
         risky = risky || !this->row_is_tame(rows + t * dp_);
       }
-      transpose_panel(rows, ws.kt.ptr + static_cast<std::int64_t>(blk) * dp_ * panel_);
+      transpose_panel(rows, ws.panel->kt.ptr + static_cast<std::int64_t>(blk) * dp_ * panel_);
     }
-    scores(ws.q.ptr, ws.kt.ptr, ws.s.ptr);
+    scores(ws.q.ptr, ws.panel->kt.ptr, ws.s.ptr);
   }
 
 #if !HWY_HAVE_SCALABLE
@@ -628,14 +682,15 @@ class decode_pass : public kernel<T> {
     top = t_top;
   }
 
-  /// The direct tile's block loop, written once for both ways of taking the dot products: per
+  /// The direct tile's block loop over keys [@p t_begin, @p t_end) (t_begin a multiple of the
+  /// vector's lanes), written once for both ways of taking the dot products: per
   /// block of one vector's lanes of keys (t0, n of them) and per block of rows (r0, rb of them,
   /// rb = @p block_rows(rows left)), @p dots(r0, rb, t0, n) writes the rows' scores of those keys
   /// into s[r * W + t].
   template <typename BlockRows, typename Dots>
-  void dot_blocks(int keys, const BlockRows& block_rows, const Dots& dots) const {
-    for (int t0 = 0; t0 < keys; t0 += lanes_) {
-      const int n = std::min(lanes_, keys - t0);
+  void dot_blocks(int t_begin, int t_end, const BlockRows& block_rows, const Dots& dots) const {
+    for (int t0 = t_begin; t0 < t_end; t0 += lanes_) {
+      const int n = std::min(lanes_, t_end - t0);
       for (int r0 = 0; r0 < rows_;) {
         const int rb = block_rows(rows_ - r0);
         dots(r0, rb, t0, n);
@@ -644,15 +699,16 @@ class decode_pass : public kernel<T> {
     }
   }
 
-  /// The direct tile's scores into s[r * W + t] for NV vectors per row (dot_blocks): per key block
-  /// every row block's dot products, the first row block checking the K values as they stream in
-  /// from memory, the others reading them from L1. Returns whether every K value was tame, with the
-  /// largest |k| in @p max_k.
+  /// The direct tile's scores of keys [@p t_begin, @p t_end) of @p keys into s[r * W + t] for NV
+  /// vectors per row (dot_blocks): per key block every row block's dot products, the first row
+  /// block checking the K values as they stream in from memory, the others reading them from L1.
+  /// Returns the largest magnitude bits of the K values read (fp32 bits; NaN and inf above every
+  /// finite magnitude: finish_direct's test).
   template <int NV>
-  bool direct_dots(decode_workspace& ws, const T* k, std::int64_t step, int keys, float& max_k) const {
+  std::uint32_t direct_dots(decode_workspace& ws, const T* k, std::int64_t step, int t_begin, int t_end, int keys) const {
 #if DFSS_SIMD_BF16_DOT
     if constexpr (std::is_same_v<T, bfloat16>) {
-      if (dot_) return direct_dots_bf16(ws, k, step, keys, max_k);
+      if (dot_) return direct_dots_bf16(ws, k, step, t_begin, t_end);
     }
 #endif
     constexpr int R = dot_block_rows<NV>();
@@ -666,7 +722,7 @@ class decode_pass : public kernel<T> {
     // alike, V rows requested with K 1.05-1.08x. Rows back to back (a [B, Hkv, L, d] cache such as
     // transformers') gained nothing (0.96-1.03x) and lost with 32 keys ahead (1.09-1.14x).
     const bool spread = step != d_;
-    dot_blocks(keys, block_rows, [&](int r0, int rb, int t0, int n) {
+    dot_blocks(t_begin, t_end, block_rows, [&](int r0, int rb, int t0, int n) {
       const T* kb = k + t0 * step;
       if (spread && r0 == 0) {
         for (int t = t0 + lanes_; t < std::min(keys, t0 + 2 * lanes_); ++t) this->prefetch_lines(k + t * step);
@@ -689,66 +745,84 @@ class decode_pass : public kernel<T> {
         dot_block<1, NV, false>(q, kb, step, n, s, top);
       }
     });
-    const VI above = hn::Set(di, 0x58800001);  // the bits of 2^50, plus one
-    if (!hn::AllTrue(di, hn::Lt(top, above))) return false;
-    max_k = hn::GetLane(hn::BitCast(DF(), hn::MaxOfLanes(di, top)));  // finite: the largest |k|
-    return true;
+    return static_cast<std::uint32_t>(hn::GetLane(hn::MaxOfLanes(di, top)));  // magnitudes: non-negative
   }
 #endif
 
 #if DFSS_SIMD_BF16_DOT
   /// direct_dots by vdpbf16ps (bf16dot::decode_dots, blocks of 16 keys and 4 rows), the lanes of
-  /// each (row, key) summed at once as in dot_block, and the same tame test (on the bf16 bits:
-  /// 0x5880 is 2^50). Summed later by the transposing tree of vectors in scratch, GQA 32:8 with a
+  /// each (row, key) summed at once as in dot_block, and the largest magnitude bits of the K values
+  /// read (widened from bf16 to fp32 bits). Summed later by the transposing tree of vectors in scratch, GQA 32:8 with a
   /// bf16 cache (Lk = 65536, Zen 4) took 23.1 against 19.0 ms on one thread, 14.3 against 11.9 ms
   /// on two (a plain sweep over the cache: 16.3 and 11.0 ms).
-  bool direct_dots_bf16(decode_workspace& ws, const T* k, std::int64_t step, int keys, float& max_k) const {
+  std::uint32_t direct_dots_bf16(decode_workspace& ws, const T* k, std::int64_t step, int t_begin, int t_end) const {
     static_assert(bf16dot::kDecodeKeys == HWY_LANES(float), "a block of keys per vector of lanes");
     const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
     std::uint16_t top = 0;
     const auto block_rows = [](int left) { return std::min(bf16dot::kDecodeRows, left); };
-    dot_blocks(keys, block_rows, [&](int r0, int rb, int t0, int n) {
+    dot_blocks(t_begin, t_end, block_rows, [&](int r0, int rb, int t0, int n) {
       bf16dot::decode_dots(ws.qb.ptr + static_cast<std::int64_t>(r0) * dp_, rb, dp_, d_, kb + t0 * step, step, n,
                            ws.s.ptr + static_cast<std::int64_t>(r0) * w_ + t0, w_, r0 == 0, &top);
     });
-    if (top > 0x5880) return false;
-    max_k = std::bit_cast<float>(static_cast<std::uint32_t>(top) << 16);
-    return true;
+    return static_cast<std::uint32_t>(top) << 16;  // the bf16 magnitude's bits as fp32 bits
   }
 #endif
 
-  /// S of tile j0 by the direct path: each key's row is read straight from the cache, once and in
-  /// address order, and dotted with every task row (direct_dots). That is the order the hardware
-  /// prefetcher streams at the memory's rate: the panel path (a copy and a transpose per key, and
-  /// software prefetch to make up for it) read the cache at 30-49% of a plain sweep on one thread.
-  /// The scores differ from the fused forward's in rounding (another summation order), so the
-  /// selection may differ from it where two scores of a group are within rounding of each other.
-  /// Returns false, leaving the tile to the panel path, where some K row of the tile is not tame:
-  /// the non-finite and overflow cases are handled there, as in the fused forward.
-  bool direct_scores(decode_workspace& ws, std::int64_t b, std::int64_t hk, std::int64_t j0,
-                     std::int64_t tile_end) const {
+  /// S of tile j0 by the direct path for the task's kv heads hk0 .. hk0 + n - 1 (workspace *ws[h]),
+  /// those where @p try_direct[h]: each key's row is read straight from the cache, once and in
+  /// address order, and dotted with every row of the head's group (direct_dots). That is the order
+  /// the hardware prefetcher streams at the memory's rate: the panel path (a copy and a transpose
+  /// per key, and software prefetch to make up for it) read the cache at 30-49% of a plain sweep
+  /// on one thread. Where the kv heads are interleaved, phase by phase (kDecodePhaseKeys keys, every
+  /// head in turn); the dot products' blocks are the same either way. The scores differ from the
+  /// fused forward's in rounding (another summation order), so the selection may differ from it
+  /// where two scores of a group are within rounding of each other (settle_near_ties makes it the
+  /// fused forward's). @p direct[h] gets whether head h's tile took the direct path: not where some
+  /// K value of its tile is not tame, leaving the tile to the panel path, where the non-finite and
+  /// overflow cases are handled as in the fused forward.
+  void direct_scores(const std::unique_ptr<decode_workspace>* ws, int n, std::int64_t b, std::int64_t hk0,
+                     std::int64_t j0, std::int64_t tile_end, const bool* try_direct, bool* direct) const {
+    for (int h = 0; h < n; ++h) direct[h] = false;
 #if !HWY_HAVE_SCALABLE
     const int keys = static_cast<int>(std::min<std::int64_t>(w_, tile_end - j0));
-    const T* k = static_cast<const T*>(p_.k) + core::offset4(p_.k_stride, b, j0, hk, 0);
     const std::int64_t step = p_.k_stride[1];
-    float max_k = 0.0f;
-    bool tame = false;
-    switch (d_ / lanes_) {
-      case 4: tame = direct_dots<4>(ws, k, step, keys, max_k); break;
-      case 8: tame = direct_dots<8>(ws, k, step, keys, max_k); break;
-      case 16: tame = direct_dots<16>(ws, k, step, keys, max_k); break;
-      default: tame = direct_dots<0>(ws, k, step, keys, max_k); break;
+    const int phase = phase_keys(keys);
+    std::uint32_t top[kDecodeHeadBlock] = {};
+    const auto k_of = [&](int h) { return static_cast<const T*>(p_.k) + core::offset4(p_.k_stride, b, j0, hk0 + h, 0); };
+    for (int t0 = 0; t0 < keys; t0 += phase) {
+      const int t1 = std::min(keys, t0 + phase);
+      for (int h = 0; h < n; ++h) {
+        if (!try_direct[h]) continue;
+        decode_workspace& w = *ws[h];
+        std::uint32_t t = 0;
+        switch (d_ / lanes_) {
+          case 4: t = direct_dots<4>(w, k_of(h), step, t0, t1, keys); break;
+          case 8: t = direct_dots<8>(w, k_of(h), step, t0, t1, keys); break;
+          case 16: t = direct_dots<16>(w, k_of(h), step, t0, t1, keys); break;
+          default: t = direct_dots<0>(w, k_of(h), step, t0, t1, keys); break;
+        }
+        top[h] = std::max(top[h], t);
+      }
     }
-    if (!tame) return false;
-    if (p_.pattern_n < p_.pattern_m) settle_near_ties(ws, k, step, keys, max_k);
-    // Keys at or past tile_end are masked for every row (the panel path's zero rows).
-    for (int rr = 0; rr < rows_; ++rr) std::fill(ws.s.ptr + static_cast<std::int64_t>(rr) * w_ + keys, ws.s.ptr + static_cast<std::int64_t>(rr + 1) * w_, 0.0f);
-    return true;
+    for (int h = 0; h < n; ++h) {
+      // Tame: every |k| at most 2^50 (row_is_tame's bound; the bits of 2^50 are 0x58800000).
+      if (!try_direct[h] || top[h] > 0x58800000u) continue;
+      decode_workspace& w = *ws[h];
+      if (p_.pattern_n < p_.pattern_m) settle_near_ties(w, k_of(h), step, keys, std::bit_cast<float>(top[h]));
+      // Keys at or past tile_end are masked for every row (the panel path's zero rows).
+      for (int rr = 0; rr < rows_; ++rr) {
+        std::fill(w.s.ptr + static_cast<std::int64_t>(rr) * w_ + keys, w.s.ptr + static_cast<std::int64_t>(rr + 1) * w_, 0.0f);
+      }
+      direct[h] = true;
+    }
 #else
-    (void)ws, (void)b, (void)hk, (void)j0, (void)tile_end;
-    return false;
+    (void)ws, (void)b, (void)hk0, (void)j0, (void)tile_end, (void)try_direct;
 #endif
   }
+
+  /// Keys per phase of a tile of @p keys keys (kDecodePhaseKeys where the kv heads are interleaved,
+  /// else the whole tile): a function of the shape and the layout only, like the chunks.
+  int phase_keys(int keys) const { return interleaved_ ? kDecodePhaseKeys : std::max(keys, 1); }
 
   /// Makes a direct tile's selection the fused forward's (and so the fused backward's, which
   /// recomputes it): each direct score is within E = gamma_d sum_c |q_c k_c| <= gamma_d d max|q| max|k|
@@ -850,22 +924,26 @@ class decode_pass : public kernel<T> {
     }
   }
 
-  /// acc += p V over the kept keys of tile j0 (slots of @p parity): the V rows some row kept,
-  /// converted once; the rest of the tile's V is never read.
-  void accumulate_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
+  /// acc += p V over the kept keys of tile j0 (slots of @p parity) in [@p t_lo, @p t_hi), one phase
+  /// of the tile (phase_keys; the phases come in order, the last one ends at the tile's keys): a
+  /// direct tile's V rows from the cache (direct_accumulate), else, all in the first phase, the V
+  /// rows some row kept, converted once; the rest of the tile's V is never read.
+  void accumulate_tile(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0, int t_lo,
+                       int t_hi) const {
     std::int32_t* used = ws.used.ptr + static_cast<std::int64_t>(parity) * w_;
     if (ws.direct[parity]) {  // its slots mark nothing in used (exp_live)
-      direct_accumulate(ws, parity, b, hk, j0);
+      direct_accumulate(ws, parity, b, hk, j0, t_lo, t_hi);
       return;
     }
-    float* vt = ws.vt.ptr;
+    if (t_lo != 0) return;
+    float* vt = ws.panel->vt.ptr;
     for (int t = 0; t < w_; ++t) {
       if (used[t] == 0) continue;
       used[t] = 0;
       float* row = vt + static_cast<std::int64_t>(t) * dp_;
       if (pairs_) {  // the accumulators' layout, by way of the (here unused) panel scratch
-        this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, ws.rows.ptr);
-        to_pairs(ws.rows.ptr, row);
+        this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, ws.panel->rows.ptr);
+        to_pairs(ws.panel->rows.ptr, row);
       } else {
         this->load_row(p_.v, p_.v_stride, b, j0 + t, hk, true, row);
       }
@@ -881,14 +959,20 @@ class decode_pass : public kernel<T> {
     }
   }
 
-  /// acc += p V over the kept keys of a direct tile: V rows straight from the cache (slot offsets
-  /// are key indices in the tile, masked slots dropped), converted on the fly.
-  void direct_accumulate(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0) const {
+  /// acc += p V over the kept keys of a direct tile in [@p t_lo, @p t_hi) (one phase:
+  /// accumulate_tile): V rows straight from the cache (slot offsets are key indices in the tile,
+  /// masked slots dropped), converted on the fly. Per row the keys are added in the order of
+  /// its slots whatever the phases (one chain of sums per column vector), so phases change no bit.
+  void direct_accumulate(decode_workspace& ws, int parity, std::int64_t b, std::int64_t hk, std::int64_t j0, int t_lo,
+                         int t_hi) const {
 #if !HWY_HAVE_SCALABLE
     const T* v = static_cast<const T*>(p_.v);
     const std::int64_t row0 = core::offset4(p_.v_stride, b, j0, hk, 0), step = p_.v_stride[1];
-    if (rows_ >= 2 && key_major_accumulate(ws, parity, v + row0, step)) return;
     const int keys = ws.tile_keys[parity];
+    if (rows_ >= 2) {
+      if (key_major_accumulate(ws, parity, v + row0, step, t_lo, t_hi)) return;
+      t_lo = 0;  // a non-finite V value (found after the last phase): the whole tile row by row
+    }
     // A row that kept at least half the tile reads all of it (below); the others read their kept
     // rows only.
     bool some_by_index = false;
@@ -900,7 +984,7 @@ class decode_pass : public kernel<T> {
       // keeps the stream ascending: on one Zen 5 core (bf16, d = 128, Lk = 16384, MHA) 1:2 went from
       // 14.2 to 12.1 ms and 2:4 from 15.8 to 11.3 ms (2 threads: 7.5 to 6.4 and 8.8 to 6.5), where
       // dense takes 9.7 (5.1). fp32 caches measured no gain (d = 64 and 128): they skip this.
-      touch_rows(ws, v + row0, step, keys, [](int t) { return t; });
+      touch_rows(ws, v + row0, step, t_hi - t_lo, [t_lo](int t) { return t_lo + t; });
     }
     for (int r = 0; r < rows_; ++r) {
       const int n = ws.kept.ptr[parity * rows_mk_ + r];
@@ -921,15 +1005,15 @@ class decode_pass : public kernel<T> {
       // accumulator comes out non-finite is redone by index, where only its kept rows count.
       const bool every_key = dense_ && n == keys;
       const bool whole = !every_key && 2 * n >= keys;
-      // acc += weight(t) V row t over t < count, rows addressed from the key, by blocks of
-      // kKeyMajorBlock keys: where a row is more than one slice of 8 vectors (d = 128 on AVX2),
+      // acc += weight(t) V row t over t in [k_begin, k_end), rows addressed from the key, by blocks
+      // of kKeyMajorBlock keys: where a row is more than one slice of 8 vectors (d = 128 on AVX2),
       // the later slices read the block's rows from L1 rather than the whole tile's from L2 (a bf16
       // tile is 64 KiB at d = 128). 2 Zen 3 threads, MHA 32:32, against a sweep of the cache in the
       // same process, medians of 7 interleaved rounds: bf16 16384 keys dense 0.82 -> 0.87, 1:2
       // 0.81 -> 0.90; fp32 8192 keys dense 0.81 -> 0.85, 1:2 0.82 -> 0.85.
-      const auto by_key = [&](const float* weight, int count) {
-        for (int k0 = 0; k0 < count; k0 += kKeyMajorBlock) {
-          const int nk = std::min(kKeyMajorBlock, count - k0);
+      const auto by_key = [&](const float* weight, int k_begin, int k_end) {
+        for (int k0 = k_begin; k0 < k_end; k0 += kKeyMajorBlock) {
+          const int nk = std::min(kKeyMajorBlock, k_end - k0);
           for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
             const T* base = v + row0 + c0;
             with_slice((dp_ - c0) / lanes_, [&](auto nv, auto pairs) {
@@ -939,46 +1023,60 @@ class decode_pass : public kernel<T> {
           }
         }
       };
+      // acc += the slots [s_begin, s_end) by index.
+      const auto by_index = [&](int s_begin, int s_end) {
+        for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
+          const T* base = v + row0 + c0;
+          with_slice((dp_ - c0) / lanes_, [&](auto nv, auto pairs) {
+            add_cache_rows<decltype(nv)::value, decltype(pairs)::value>(
+                acc + c0, s_end - s_begin, cv + s_begin, [base, step, ci, s_begin](int k) { return base + ci[s_begin + k] * step; });
+          });
+        }
+      };
       if (every_key) {
-        by_key(cv, n);
+        by_key(cv, t_lo, t_hi);
         continue;
       }
       if (whole) {
-        float* wr = ws.weights.ptr;
-        std::fill(wr, wr + keys, 0.0f);
-        for (int k = 0; k < n; ++k) wr[ci[k]] = cv[k];
-        std::copy(acc, acc + dp_, ws.acc_saved.ptr);
-        by_key(wr, keys);
-        if (all_finite(acc, dp_)) continue;
-        std::copy(ws.acc_saved.ptr, ws.acc_saved.ptr + dp_, acc);  // a non-finite V value: by index
+        float* wr = ws.weights.ptr + static_cast<std::int64_t>(r) * w_;
+        float* saved = ws.acc_saved.ptr + static_cast<std::int64_t>(r) * dp_;
+        if (t_lo == 0) {
+          std::fill(wr, wr + keys, 0.0f);
+          for (int k = 0; k < n; ++k) wr[ci[k]] = cv[k];
+          std::copy(acc, acc + dp_, saved);
+        }
+        by_key(wr, t_lo, t_hi);
+        if (t_hi < keys || all_finite(acc, dp_)) continue;
+        std::copy(saved, saved + dp_, acc);  // a non-finite V value: by index
+        by_index(0, n);
+        continue;
       }
-      for (int c0 = 0; c0 < dp_; c0 += 8 * lanes_) {
-        const T* base = v + row0 + c0;
-        with_slice((dp_ - c0) / lanes_, [&](auto nv, auto pairs) {
-          add_cache_rows<decltype(nv)::value, decltype(pairs)::value>(acc + c0, n, cv,
-                                                                      [base, step, ci](int k) { return base + ci[k] * step; });
-        });
+      // The slots of this phase: those from where the last phase stopped up to the first one of a
+      // key at or past t_hi (all that are left in the last phase). The slots ascend by key but for
+      // the order inside a group (compact), so this is a contiguous run of them in slot order.
+      std::int32_t& next = ws.slot_next.ptr[r];
+      if (t_lo == 0) next = 0;
+      int s_end = next;
+      if (t_hi >= keys) {
+        s_end = n;
+      } else {
+        while (s_end < n && ci[s_end] < t_hi) ++s_end;
       }
+      by_index(next, s_end);
+      next = s_end;
     }
 #else
-    (void)ws, (void)parity, (void)b, (void)hk, (void)j0;
+    (void)ws, (void)parity, (void)b, (void)hk, (void)j0, (void)t_lo, (void)t_hi;
 #endif
   }
 
 #if !HWY_HAVE_SCALABLE
-  /// P V of a direct tile for a group of rows (grouped heads, draft rows), key-major: each V row
-  /// some row of the group kept (or, where that is most of the tile, every row of the tile) is read
-  /// once and added to every row of the group, with weight 0 where a row did not keep the key. Row
-  /// by row (the single-row loop below) every row re-read the whole tile of V, 128 KiB at d = 128
-  /// in fp32, from L2: that was half of a GQA decode step's time in a profile (Zen 4, 32:8, fp32
-  /// cache), more than its Q K^T. Per row the keys are added in increasing order. A weight of 0
-  /// leaves an accumulator unchanged only against a finite V value (0 * inf is NaN), so a tile
-  /// whose accumulators come out non-finite is undone (@p acc restored) and left to the row-by-row
-  /// loop, which reads only each row's own keys. Returns whether the tile was done here.
-  bool key_major_accumulate(decode_workspace& ws, int parity, const T* v, std::int64_t step) const {
+  /// key_major_accumulate's plan of tile @p parity (its first phase): each row's weight of key t
+  /// at weights[r * wstride + t], and the nu keys read at ws.union_keys (none: nothing to add);
+  /// the accumulators saved in ws.acc_saved where there are keys to read.
+  key_major_plan plan_key_major(decode_workspace& ws, int parity) const {
     const int keys = ws.tile_keys[parity];
     std::int32_t* ukeys = ws.union_keys.ptr;
-    // Row r's weight of key t at weights[r * wstride + t].
     const float* weights = ws.weights.ptr;
     std::int64_t wstride = w_;
     bool every_key = dense_;
@@ -1007,13 +1105,13 @@ class decode_pass : public kernel<T> {
           mark[ci[k]] = 1;
         }
       }
-      int count = 0;  // a local the lambdas below never see, so that it stays in a register
+      int count = 0;
       for (int t = 0; t < keys; ++t) {
         if (mark[t] == 0) continue;
         mark[t] = 0;
         ukeys[count++] = t;
       }
-      if (count == 0) return true;
+      if (count == 0) return {};
       // Most of the tile kept by some row (random 1:2 or 2:4 scores with 4 heads per group keep
       // about 15 keys in 16): the whole tile is read, in address order, with weight 0 for the few
       // keys no row kept. Skipping them broke the hardware prefetcher's stream: GQA 32:8, 1:2,
@@ -1024,8 +1122,37 @@ class decode_pass : public kernel<T> {
     if (whole_tile) {
       for (int t = 0; t < keys; ++t) ukeys[t] = t;
     }
+    std::copy(ws.acc.ptr, ws.acc.ptr + static_cast<std::int64_t>(rows_) * dp_, ws.acc_saved.ptr);
+    return {weights, wstride, nu, whole_tile};
+  }
+
+  /// P V of a direct tile for a group of rows (grouped heads, draft rows), key-major: each V row
+  /// some row of the group kept (or, where that is most of the tile, every row of the tile) is read
+  /// once and added to every row of the group, with weight 0 where a row did not keep the key. Row
+  /// by row (the single-row loop below) every row re-read the whole tile of V, 128 KiB at d = 128
+  /// in fp32, from L2: that was half of a GQA decode step's time in a profile (Zen 4, 32:8, fp32
+  /// cache), more than its Q K^T. Per row the keys are added in increasing order. A weight of 0
+  /// leaves an accumulator unchanged only against a finite V value (0 * inf is NaN), so a tile
+  /// whose accumulators come out non-finite is undone (@p acc restored) and left to the row-by-row
+  /// loop, which reads only each row's own keys. Returns whether the tile was done here.
+  /// Phases (accumulate_tile's [@p t_lo, @p t_hi), in order): the first one plans the tile (the
+  /// weights and the keys read, in ws.key_major), each one adds the blocks of kKeyMajorBlock keys read
+  /// that start in it (the same blocks whatever the phases: the same bits), and the last one checks
+  /// the accumulators. Returns false only after the last phase, the tile undone.
+  bool key_major_accumulate(decode_workspace& ws, int parity, const T* v, std::int64_t step, int t_lo, int t_hi) const {
+    const int keys = ws.tile_keys[parity];
+    std::int32_t* ukeys = ws.union_keys.ptr;
+    key_major_plan& plan = ws.key_major;
     const std::int64_t acc_floats = static_cast<std::int64_t>(rows_) * dp_;
-    std::copy(ws.acc.ptr, ws.acc.ptr + acc_floats, ws.acc_saved.ptr);
+    if (t_lo == 0) plan = plan_key_major(ws, parity);
+    if (plan.nu == 0) return true;
+    // The blocks of this phase: phases and blocks both start at multiples of kKeyMajorBlock (of the
+    // tile's keys and of the keys read, which the tile's keys outnumber or equal).
+    const int u_lo = std::min(t_lo, plan.nu), u_hi = t_hi >= keys ? plan.nu : std::min(t_hi, plan.nu);
+    const float* weights = plan.weights;
+    const std::int64_t wstride = plan.wstride;
+    const bool whole_tile = plan.whole_tile;
+    const int nu = plan.nu;
     const int nv = dp_ / lanes_;
     // Whole rows: on AVX-512, where a block of rows holds a whole V row per row in its
     // accumulators (d <= 128), a whole tile's V is read by the FMAs themselves, row after row in
@@ -1052,7 +1179,7 @@ class decode_pass : public kernel<T> {
       const int cmax = block_columns(block_rows(rows_ - r0));
       passes += (nv + cmax - 1) / cmax;
     }
-    for (int k0 = 0; k0 < nu; k0 += kKeyMajorBlock) {
+    for (int k0 = u_lo; k0 < u_hi; k0 += kKeyMajorBlock) {
       const int n = std::min(kKeyMajorBlock, nu - k0);
       if (streamed) {
         for (int r0 = 0; r0 < rows_;) {
@@ -1116,7 +1243,7 @@ class decode_pass : public kernel<T> {
     }
     // A non-finite V value read reaches every row's accumulator in its column (w inf or 0 inf), so
     // finite accumulators mean every value read was finite.
-    if (all_finite(ws.acc.ptr, acc_floats)) return true;
+    if (t_hi < keys || all_finite(ws.acc.ptr, acc_floats)) return true;
     std::copy(ws.acc_saved.ptr, ws.acc_saved.ptr + acc_floats, ws.acc.ptr);
     return false;
   }
@@ -1455,6 +1582,8 @@ class decode_pass : public kernel<T> {
   /// first, then the odd ones. The task's accumulators are in it (every P V, direct and panel,
   /// adds rows in it) and are put back in column order as the task ends (from_pairs).
   const bool pairs_;
+  /// The kv heads are interleaved in memory (heads_interleaved): tiles go in phases (phase_keys).
+  const bool interleaved_;
 };
 
 /// The decode forward has one instance per Highway target; avx3_bf16 runs the avx3 one with the

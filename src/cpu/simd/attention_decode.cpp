@@ -311,7 +311,7 @@ class decode_pass : public kernel<T> {
     // states sit at the canonical index (b Hkv + kv head) chunks + chunk either way (end_head).
     chunked_states chunked(pairs, chunks_, tasks * rows_, dp_);
     const partial_states parts = chunked.view();
-    const bool by_chunk = heads_interleaved(p_);
+    const bool by_chunk = interleaved_;
     const std::int64_t hkv = p_.heads_kv;
     const std::int64_t block = decode_head_block(p_, chunks_, worker_count(p_.num_threads, tasks));
     const std::int64_t blocks = (hkv + block - 1) / block;

@@ -113,6 +113,44 @@ def main():
         check(any(l.startswith("[dfss bench] row %d of %d (0 left), torch 2.99.0" % (total, total)) for l in prog),
               "%s: progress ends at row %d of %d, the torch run" % (dtype, total, total))
 
+    # --rounds 3: the whole sweep three times, the torch stub answering 7.25, 14.5 and 29 ms in its
+    # three calls (a machine whose load drifts). Each dfss row keeps its per-round medians and ratios
+    # (SDPA of that round / the row's median of that round) and reports the medians of both.
+    stub3 = os.path.join(tmp, "torch_stub_rounds.py")
+    with open(stub3, "w") as f:
+        f.write("SDPA = %r\n" % STUB_SDPA_MS + STUB.replace(
+            '"ms_median": SDPA[dt], "ms_min": SDPA[dt], "ms_max": SDPA[dt]',
+            '"ms_median": SDPA[dt] * 2 ** CALL, "ms_min": SDPA[dt] * 2 ** CALL, "ms_max": SDPA[dt] * 2 ** CALL').replace(
+            '    rows = []\n',
+            '    CALL = sum(1 for _ in open(sys.argv[0] + ".args")) - 1\n    rows = []\n'))
+    out_json = os.path.join(tmp, "bench_rounds.json")
+    p = run(exe, common + ["--python", sys.executable, "--torch-script", stub3, "--rounds", "3", "--json", out_json])
+    check(p.returncode == 0, "rounds: exit status 0 (got %d)" % p.returncode)
+    if p.returncode == 0:
+        repro = [l for l in p.stdout.splitlines() if l.startswith("repro: ")]
+        check(len(repro) == 1 and " --rounds 3" in repro[0], "rounds: named in the repro line (got %r)" % (repro,))
+        check("vs SDPA per round (rounds 1..3):" in p.stdout, "rounds: the notes list the per-round ratios")
+        j = json.load(open(out_json))
+        check(j["config"]["rounds"] == 3, "rounds: JSON config.rounds (got %r)" % j["config"].get("rounds"))
+        dfss_rows = [r for r in j["rows"] if r["source"] == "dfss" and r["ok"]]
+        check(len(dfss_rows) == 5 * len(lengths), "rounds: 5 dfss rows per length (got %d)" % len(dfss_rows))
+        for r in dfss_rows:
+            ms, vs = r.get("rounds_ms_median", []), r.get("rounds_speedup_vs_sdpa", [])
+            want_vs = [STUB_SDPA_MS["fp32"] * 2 ** k / ms[k] for k in range(len(ms))]
+            check(len(ms) == 3 and len(vs) == 3 and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(vs, want_vs)),
+                  "rounds: L=%d %s %s: per-round vs SDPA = that round's SDPA / that round's median (got %r, want %r)"
+                  % (r["L"], r["pattern"], r["algorithm"], vs, want_vs))
+            if len(ms) == 3 and len(vs) == 3:
+                check(math.isclose(r["ms_median"], sorted(ms)[1], rel_tol=1e-12) and
+                      math.isclose(r["speedup_vs_sdpa"], sorted(vs)[1], rel_tol=1e-12),
+                      "rounds: L=%d %s %s: the medians of the rounds (ms %r of %r, vs SDPA %r of %r)"
+                      % (r["L"], r["pattern"], r["algorithm"], r["ms_median"], ms, r["speedup_vs_sdpa"], vs))
+    for bad, why, says in ((["--rounds", "0"], "rounds 0", "expected a count >= 1, got 0"),
+                           (["--decode", "--rounds", "2"], "rounds with --decode", "cannot be combined")):
+        p = run(exe, common + ["--no-torch"] + bad)
+        check(p.returncode == 2 and "--rounds" in p.stderr and says in p.stderr,
+              "%s is refused, naming --rounds (got %d: %s)" % (why, p.returncode, p.stderr[-200:]))
+
     # Without --progress and with stderr not a terminal: no progress line (logs stay as they were).
     p = run(exe, common + ["--no-torch"])
     check(p.returncode == 0 and "[dfss bench]" not in p.stderr, "no progress line without --progress on a pipe")

@@ -15,6 +15,11 @@
 // are timed round-robin (one call of each in turn) so that the noise of a shared machine falls on
 // all of them alike.
 //
+// `dfss bench --rounds R` repeats the whole sweep (every dfss row, then the torch peers) R times and
+// reports each row's median of its rounds' medians and each ratio's median over the rounds, with the
+// per-round ratios against SDPA in the notes: on a shared machine the load drifts between the dfss
+// phase and the torch phase of one sweep, and only repeated rounds show by how much.
+//
 // `dfss bench --backward` makes the same table for training: every dfss row times one forward call
 // (writing O and LSE) followed by one backward call (given O, LSE and a fixed random dO), fused
 // algorithm only (the three-stage pipeline has no backward); the torch peers time forward + backward
@@ -34,7 +39,11 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <map>
+#include <string>
+#include <vector>
 
 #include "cli/bench/bench.hpp"
 #include "cli/commands.hpp"
@@ -43,6 +52,92 @@
 namespace dfss::cli {
 
 using namespace bench;  // the command is the one user of the bench units
+
+namespace {
+
+/// A row's identity across rounds.
+std::string row_key(const row& r) {
+  return r.source + "|" + std::to_string(r.L) + "|" + r.pattern + "|" + r.algorithm + "|" + r.isa + "|" + r.kernel +
+         "|" + r.dtype;
+}
+
+double median_of(std::vector<double> v) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return std::isnan(x); }), v.end());
+  if (v.empty()) return kNaN;
+  return summarize(std::move(v)).median;
+}
+
+/// The ratios of one round's rows: speedup against dfss dense fused (the first ISA listed) of the
+/// same shape, and against the SDPA row @p sdpa_peer of the same L and input type.
+void derive_ratios(std::vector<row>& rows, const std::string& sdpa_peer) {
+  std::map<long long, double> dense_ms;
+  for (const row& r : rows)
+    if (r.source == "dfss" && r.ok && r.pattern == "dense" && r.algorithm == "fused" && r.isa == g_opt.isas[0])
+      dense_ms.emplace(r.L, r.ms.median);
+  std::map<std::pair<long long, std::string>, double> sdpa_ms;
+  for (const row& r : rows)
+    if (r.source == "torch" && r.ok && !sdpa_peer.empty() && r.algorithm == sdpa_peer)
+      sdpa_ms.emplace(std::make_pair(r.L, r.dtype), r.ms.median);
+  for (row& r : rows) {
+    if (!r.ok) continue;
+    if (const auto it = dense_ms.find(r.L); it != dense_ms.end()) r.speedup = it->second / r.ms.median;
+    if (const auto it = sdpa_ms.find({r.L, r.dtype}); it != sdpa_ms.end()) r.vs_sdpa = it->second / r.ms.median;
+  }
+}
+
+/// One row per configuration from the rounds (the first round's order and errors): the median of
+/// the rounds' medians (GFLOP/s from it), the min and max over all rounds, the median of the
+/// per-round ratios. A row that failed in some round is reported as failed. @p per_round gets, with
+/// more than one round, a line per dfss row listing its per-round ratios against SDPA.
+std::vector<row> merge_rounds(const std::vector<std::vector<row>>& rounds, std::vector<std::string>& per_round) {
+  std::vector<row> out = rounds.at(0);
+  if (rounds.size() == 1) return out;
+  std::map<std::string, std::vector<const row*>> seen;
+  for (const auto& round : rounds)
+    for (const row& r : round) seen[row_key(r)].push_back(&r);
+  per_round.push_back("vs SDPA per round (rounds 1.." + std::to_string(rounds.size()) + "):");
+  for (row& r : out) {
+    const std::vector<const row*>& all = seen[row_key(r)];
+    const bool every = all.size() == rounds.size() &&
+                       std::all_of(all.begin(), all.end(), [](const row* x) { return x->ok; });
+    if (!every) {
+      if (r.ok) {
+        r.ok = false;
+        r.reason = "failed in some round";
+      }
+      continue;
+    }
+    std::vector<double> med, speedup, vs;
+    r.iters = 0;
+    for (const row* x : all) {
+      r.round_ms.push_back(x->ms.median);
+      r.round_vs_sdpa.push_back(x->vs_sdpa);
+      med.push_back(x->ms.median);
+      speedup.push_back(x->speedup);
+      vs.push_back(x->vs_sdpa);
+      r.ms.min = std::min(r.ms.min, x->ms.min);
+      r.ms.max = std::max(r.ms.max, x->ms.max);
+      r.iters += x->iters;
+    }
+    const double old_median = r.ms.median;
+    r.ms.median = median_of(med);
+    r.gflops *= old_median / r.ms.median;
+    r.speedup = median_of(speedup);
+    r.vs_sdpa = median_of(vs);
+    if (r.source == "dfss" && !std::isnan(r.vs_sdpa)) {
+      std::string line = "  L=" + std::to_string(r.L) + " " + r.pattern + " " + r.algorithm + " " + r.isa + ":";
+      for (double v : vs) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, " %.2fx", v);
+        line += buf;
+      }
+      per_round.push_back(line);
+    }
+  }
+  return out;
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Command
@@ -75,6 +170,11 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--warmup", o.warmup, "untimed calls per configuration")->capture_default_str();
   c->add_option("--iters", o.iters, "timed calls per configuration (median reported)")->capture_default_str();
+  c->add_option("--rounds", o.rounds,
+                "repeat the whole sweep (dfss rows, then the torch peers) this many times: each row reports the "
+                "median of its rounds' medians, each ratio the median of its per-round ratios, and the notes list "
+                "the per-round ratios against SDPA (a shared machine's load drifts between the dfss and torch phases)")
+      ->capture_default_str();
   c->add_option("--budget", o.budget_s,
                 "soft seconds per configuration: slow configurations get fewer timed calls (at least 3)")
       ->capture_default_str();
@@ -143,12 +243,17 @@ int run_bench() {
     // The backward sweep stops at 2048 by default (it is 3 to 4 times slower per length than the forward).
     if (o.backward && !o.lengths_given) o.lengths = {512, 1024, 2048};
     if (o.decode) {
-      if (o.backward || o.memory || o.memory_child > 0 || o.causal) {
-        std::fprintf(stderr, "dfss bench: --decode cannot be combined with --backward, --memory or --causal\n");
+      if (o.backward || o.memory || o.memory_child > 0 || o.causal || o.rounds > 1) {
+        std::fprintf(stderr,
+                     "dfss bench: --decode cannot be combined with --backward, --memory, --causal or --rounds\n");
         return kExitBadInput;
       }
       if (!o.lengths_given) o.lengths = {4096, 16384, 65536};
       if (!o.head_dim_given) o.head_dim = 128;
+    }
+    if (o.rounds < 1) {
+      std::fprintf(stderr, "dfss bench: argument '--rounds': expected a count >= 1, got %d\n", o.rounds);
+      return kExitBadInput;
     }
     if (o.batch < 1 || o.heads < 1 || o.head_dim < 1 || o.memory_heads < 1 || o.warmup < 1 || o.iters < 1 ||
         o.threads < 0 || o.ref_rows < 0 || o.lengths.empty() || o.patterns.empty() || o.algorithms.empty() ||
@@ -201,6 +306,12 @@ int run_bench() {
         "per configuration), %s, no other masks\n",
         o.backward ? "forward + backward (--backward)" : "forward", o.threads, o.dtype_name.c_str(), o.warmup,
         o.iters, o.budget_s, o.causal ? "causal (--causal)" : "non-causal");
+    if (o.rounds > 1) {
+      std::printf(
+          "rounds: %d (the whole sweep repeated: a row's times are the median of its rounds' medians, the min and "
+          "max over all rounds; speedup and vs SDPA the median of the per-round ratios; errors of round 1)\n",
+          o.rounds);
+    }
     std::printf("load average at start: %s\n", load_average().c_str());
     std::printf("repro: %s\n\n", repro_command().c_str());
     std::fflush(stdout);
@@ -214,47 +325,42 @@ int run_bench() {
     }
 
     g_progress.enable(o.progress || isatty(STDERR_FILENO) != 0, isatty(STDERR_FILENO) != 0);
-    g_progress.add_rows(static_cast<int>(o.lengths.size()) * dfss_rows_per_length());
+    g_progress.add_rows(o.rounds * static_cast<int>(o.lengths.size()) * dfss_rows_per_length());
     std::vector<std::string> notes;
     std::vector<torch_peer> peers;
     if (!o.no_torch) peers = probe_torch_peers(notes);
-    for (const auto& peer : peers) g_progress.add_rows(runs_tuned(peer) ? 2 : 1);
-    std::vector<row> rows;
-    for (long long L : o.lengths) bench_length(L, type, rows, sg);
-    sg.finish();
-    if (!peers.empty()) bench_torch(peers, rows, notes);
-    g_progress.done();
-
-    // Speedup against dfss dense fused (the first ISA listed) of the same shape.
-    std::map<long long, double> dense_ms;
-    for (const row& r : rows)
-      if (r.source == "dfss" && r.ok && r.pattern == "dense" && r.algorithm == "fused" && r.isa == o.isas[0])
-        dense_ms.emplace(r.L, r.ms.median);
-    for (row& r : rows) {
-      const auto it = dense_ms.find(r.L);
-      if (r.ok && it != dense_ms.end()) r.speedup = it->second / r.ms.median;
+    for (const auto& peer : peers) g_progress.add_rows(o.rounds * (runs_tuned(peer) ? 2 : 1));
+    // Each round: every dfss row, then the torch peers (their notes, the same every round, from round 1).
+    std::vector<std::vector<row>> rounds(static_cast<std::size_t>(o.rounds));
+    const bool no_ref = o.no_ref;
+    for (int k = 0; k < o.rounds; ++k) {
+      if (k > 0) o.no_ref = true;  // the error columns come from round 1
+      for (long long L : o.lengths) bench_length(L, type, rounds[static_cast<std::size_t>(k)], sg);
+      std::vector<std::string> round_notes;
+      if (!peers.empty()) bench_torch(peers, rounds[static_cast<std::size_t>(k)], k == 0 ? notes : round_notes);
     }
+    o.no_ref = no_ref;
+    sg.finish();
+    g_progress.done();
     // "vs SDPA": against torch 2.x's public scaled_dot_product_attention as installed (not tuned), the
     // first such peer of --python, same L and same input dtype; > 1 = faster than SDPA.
-    for (const row& r : rows)
+    for (const row& r : rounds[0])
       if (r.source == "torch" && r.ok && r.algorithm.rfind("torch 1.", 0) != 0 &&
           r.algorithm.size() > 5 && r.algorithm.compare(r.algorithm.size() - 5, 5, " sdpa") == 0) {
         mi.sdpa_peer = r.algorithm;
         break;
       }
-    std::map<std::pair<long long, std::string>, double> sdpa_ms;
-    for (const row& r : rows)
-      if (r.source == "torch" && r.ok && r.algorithm == mi.sdpa_peer) sdpa_ms.emplace(std::make_pair(r.L, r.dtype), r.ms.median);
-    for (row& r : rows) {
-      const auto it = sdpa_ms.find({r.L, r.dtype});
-      if (r.ok && it != sdpa_ms.end()) r.vs_sdpa = it->second / r.ms.median;
+    for (auto& round : rounds) derive_ratios(round, mi.sdpa_peer);
+    std::vector<std::string> per_round;
+    std::vector<row> rows = merge_rounds(rounds, per_round);
+    for (row& r : rows)
       if (r.ok && sg.ok) r.sgemm_share = r.gflops / sg.gflops;
-    }
     std::stable_sort(rows.begin(), rows.end(), [](const row& x, const row& y) { return x.L < y.L; });
 
     print_table(rows);
     std::printf("\n");
     for (const auto& n : notes) std::printf("%s\n", n.c_str());
+    for (const auto& n : per_round) std::printf("%s\n", n.c_str());
     std::printf("load average at end: %s\n", load_average().c_str());
     if (sg.ok) {
       std::printf(

@@ -34,6 +34,7 @@ struct bench_options {
   int threads = 2;
   std::string dtype_name = "f32";
   int warmup = 2, iters = 7;
+  int rounds = 1;  // --rounds: the whole sweep repeated (medians of the rounds' medians and ratios)
   double budget_s = 20.0;
   unsigned long long seed = 2023;
   long long ref_rows = 32;
@@ -191,6 +192,8 @@ struct row {
   double gflops = kNaN, speedup = kNaN, max_err = kNaN;
   double vs_sdpa = kNaN;       // median of the SDPA row (torch 2.x, same L and dtype) / this row's
   double sgemm_share = kNaN;   // GFLOP/s / the sgemm yardstick's GFLOP/s
+  // --rounds > 1: each round's median and ratio against SDPA, in round order (merged into the above)
+  std::vector<double> round_ms, round_vs_sdpa;
 };
 
 double flops_factor();

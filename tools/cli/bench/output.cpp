@@ -16,6 +16,7 @@ std::string repro_command() {
     << g_opt.threads << " --dtype " << g_opt.dtype_name << " --warmup " << g_opt.warmup << " --iters "
     << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
     << g_opt.ref_rows;
+  if (g_opt.rounds > 1) c << " --rounds " << g_opt.rounds;
   if (g_opt.backward) c << " --backward";
   if (g_opt.causal) c << " --causal";
   if (g_opt.no_torch) c << " --no-torch";
@@ -43,10 +44,11 @@ static std::string fmt_ms(double x) { return fmt(x, x < 1.0 ? 3 : x < 100.0 ? 2 
 
 void print_column_notes(const machine_info& mi) {
   std::printf(
-      "vs SDPA = median of %s (same L, same input dtype) / row median: > 1 = faster than SDPA%s.\n"
+      "vs SDPA = median of %s (same L, same input dtype) / row median: > 1 = faster than SDPA%s%s.\n"
       "%%sgemm = row GFLOP/s / the sgemm yardstick's GFLOP/s (below).\n",
       mi.sdpa_peer.empty() ? "torch 2.x SDPA" : mi.sdpa_peer.c_str(),
-      mi.sdpa_peer.empty() ? " (no torch 2.x measured: run tools/scripts/torch2-venv.sh, or --python)" : "");
+      mi.sdpa_peer.empty() ? " (no torch 2.x measured: run tools/scripts/torch2-venv.sh, or --python)" : "",
+      g_opt.rounds > 1 ? "; with --rounds, this ratio in each round and the median of those (listed above)" : "");
 }
 
 void print_table(const std::vector<row>& rows) {
@@ -99,6 +101,7 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
       {"dtype", g_opt.dtype_name},
       {"warmup", g_opt.warmup},
       {"iters", g_opt.iters},
+      {"rounds", g_opt.rounds},
       {"budget_s", g_opt.budget_s},
       {"ref_rows", g_opt.ref_rows},
       {"seed", g_opt.seed},
@@ -124,6 +127,10 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
                          {"speedup_vs_dense_fused", r.speedup}, {"speedup_vs_sdpa", r.vs_sdpa},
                          {"dtype", r.dtype},     {"fraction_of_sgemm", r.sgemm_share},
                          {"max_err", r.max_err}});
+    if (!r.round_ms.empty()) {
+      j["rows"].back()["rounds_ms_median"] = r.round_ms;
+      j["rows"].back()["rounds_speedup_vs_sdpa"] = r.round_vs_sdpa;
+    }
   }
   // Non-finite numbers (a row without an error estimate) are written as null.
   const std::string text = j.dump(2) + "\n";

@@ -146,7 +146,8 @@ def main():
                       "rounds: L=%d %s %s: the medians of the rounds (ms %r of %r, vs SDPA %r of %r)"
                       % (r["L"], r["pattern"], r["algorithm"], r["ms_median"], ms, r["speedup_vs_sdpa"], vs))
     for bad, why, says in ((["--rounds", "0"], "rounds 0", "expected a count >= 1, got 0"),
-                           (["--decode", "--rounds", "2"], "rounds with --decode", "cannot be combined")):
+                           (["--decode", "--rounds", "2"], "rounds with --decode", "cannot be combined"),
+                           (["--memory", "--rounds", "2"], "rounds with --memory", "cannot be combined")):
         p = run(exe, common + ["--no-torch"] + bad)
         check(p.returncode == 2 and "--rounds" in p.stderr and says in p.stderr,
               "%s is refused, naming --rounds (got %d: %s)" % (why, p.returncode, p.stderr[-200:]))

@@ -255,6 +255,10 @@ int run_bench() {
       std::fprintf(stderr, "dfss bench: argument '--rounds': expected a count >= 1, got %d\n", o.rounds);
       return kExitBadInput;
     }
+    if (o.rounds > 1 && (o.memory || o.memory_child > 0)) {
+      std::fprintf(stderr, "dfss bench: --memory cannot be combined with --rounds (it measures memory, not time)\n");
+      return kExitBadInput;
+    }
     if (o.batch < 1 || o.heads < 1 || o.head_dim < 1 || o.memory_heads < 1 || o.warmup < 1 || o.iters < 1 ||
         o.threads < 0 || o.ref_rows < 0 || o.lengths.empty() || o.patterns.empty() || o.algorithms.empty() ||
         o.isas.empty()) {

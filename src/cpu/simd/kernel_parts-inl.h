@@ -277,16 +277,40 @@ inline constexpr int kMicroRows = 4;
 inline constexpr int kMicroRows = 8;
 #endif
 
+/// 2^f for |f| <= 0.5: degree-7 Taylor polynomial, truncation error 5e-9 relative, below half an
+/// fp32 ulp.
+HWY_INLINE VF exp2_fraction(VF f) {
+  const DF d;
+  VF p = hn::Set(d, 1.5252734e-05f);
+  p = hn::MulAdd(p, f, hn::Set(d, 1.5403530e-04f));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.3333558e-03f));
+  p = hn::MulAdd(p, f, hn::Set(d, 9.6181291e-03f));
+  p = hn::MulAdd(p, f, hn::Set(d, 5.5504109e-02f));
+  p = hn::MulAdd(p, f, hn::Set(d, 2.4022651e-01f));
+  p = hn::MulAdd(p, f, hn::Set(d, 6.9314718e-01f));
+  return hn::MulAdd(p, f, hn::Set(d, 1.0f));
+}
+
 /// 2^x for x <= 127 (a larger x would wrap the exponent field): the forward's exponents
 /// scale (s - max) log2(e) are <= 0 by construction, the backward clamps its own (exp2_clamped).
 /// Below -125 the result flushes to 0: the true value is under 2.4e-38 while the row's largest term
-/// is 1. Degree-7 Taylor polynomial of 2^f on |f| <= 0.5 (f = x - round(x)): truncation error 5e-9
-/// relative, below half an fp32 ulp. A NaN x gives an unspecified value: the forward flags NaN rows
-/// separately and writes them as NaN, the backward uses exp2_clamped.
+/// is 1. 2^round(x) times exp2_fraction(x - round(x)) (round to nearest even): the same bits on
+/// every target with FMA (tests/unit/test_simd_exp2.cpp; SSE4 rounds the polynomial's multiplies
+/// and adds apart). A NaN x gives an unspecified value: the forward flags NaN rows separately and
+/// writes them as NaN, the backward uses exp2_clamped.
 HWY_INLINE VF exp2_poly(VF x) {
   const DF d;
-  const DI di;
   const VF lo = hn::Set(d, -125.0f);
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // AVX-512: round by vrndscaleps, scale and flush in one vscalefps with a zeroing mask (p 2^n is
+  // exact where it is a normal number, which it is for n >= -125): 11 instructions where the
+  // integer form below takes 16. Measured (Sapphire Rapids, fp32, causal, L = 2048-8192, 1 and 2
+  // threads, alternating calls of two builds in one process, bitwise the same outputs): dense
+  // 0.955-0.978x the time at d = 64 and 0.989x at d = 128, 1:2 0.974-0.979x.
+  const VF n = hn::Round(x);
+  return VF{_mm512_maskz_scalef_ps(hn::Ge(x, lo).raw, exp2_fraction(hn::Sub(x, n)).raw, n.raw)};
+#else
+  const DI di;
   const auto under = hn::Lt(x, lo);
   x = hn::IfThenElse(under, lo, x);
   // n = round(x) (to nearest even) and its integer bits by the 1.5 * 2^23 trick (exact for
@@ -295,18 +319,11 @@ HWY_INLINE VF exp2_poly(VF x) {
   const VF magic = hn::Set(d, 12582912.0f);
   const VF shifted = hn::Add(x, magic);
   const VF n = hn::Sub(shifted, magic);
-  const VF f = hn::Sub(x, n);
-  VF p = hn::Set(d, 1.5252734e-05f);
-  p = hn::MulAdd(p, f, hn::Set(d, 1.5403530e-04f));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.3333558e-03f));
-  p = hn::MulAdd(p, f, hn::Set(d, 9.6181291e-03f));
-  p = hn::MulAdd(p, f, hn::Set(d, 5.5504109e-02f));
-  p = hn::MulAdd(p, f, hn::Set(d, 2.4022651e-01f));
-  p = hn::MulAdd(p, f, hn::Set(d, 6.9314718e-01f));
-  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+  const VF p = exp2_fraction(hn::Sub(x, n));
   const VI e = hn::ShiftLeft<23>(hn::Sub(hn::BitCast(di, shifted), hn::BitCast(di, magic)));
   const VF r = hn::BitCast(d, hn::Add(hn::BitCast(di, p), e));
   return hn::IfThenZeroElse(under, r);
+#endif
 }
 
 /// exp2_poly for any x: above 127 it saturates at 2^127 (the backward's scale s - LSE exceeds 0

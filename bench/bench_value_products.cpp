@@ -24,10 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <new>
 #include <random>
-
-#include "hwy/aligned_allocator.h"
 
 #ifndef DFSS_VALUE_BENCH_ONCE
 #define DFSS_VALUE_BENCH_ONCE
@@ -39,29 +36,10 @@ inline constexpr int kRows = cpu::simd::kRowsPerTask;
 /// Buffers of one tile: V rows (W + 1, the last zero), the odd keys' V rows negated (pair blocks),
 /// per row the dense weights (W), the 1:2 weights (W / 2, signed for the pair blocks) and the kept
 /// keys' element offsets, and the accumulators.
-/// Highway's aligned allocations: the kernel parts load whole aligned vectors (hn::Load).
-template <typename T>
-struct buffer {
-  hwy::AlignedFreeUniquePtr<T[]> ptr;
-  std::size_t n = 0;
-  void resize(std::size_t count) {
-    ptr = hwy::AllocateAligned<T>(count);
-    if (ptr == nullptr) throw std::bad_alloc();
-    n = count;
-  }
-  void assign(std::size_t count, T value) {
-    resize(count);
-    std::fill(ptr.get(), ptr.get() + count, value);
-  }
-  T* data() { return ptr.get(); }
-  T& operator[](std::size_t i) { return ptr[i]; }
-  T* begin() { return ptr.get(); }
-  T* end() { return ptr.get() + n; }
-};
 struct tile {
   int dp = 0, w = 0;
-  buffer<float> v, vn, dense_w, pair_w, signed_w, acc;
-  buffer<std::int32_t> offsets;
+  cpu::simd::aligned_buffer<float> v, vn, dense_w, pair_w, signed_w, acc;  // aligned: the parts use hn::Load
+  cpu::simd::aligned_buffer<std::int32_t> offsets;
 };
 }  // namespace dfss::bench_values
 #endif
@@ -80,20 +58,20 @@ std::int64_t run_form(int f, bench_values::tile& t) {
   switch (static_cast<form>(f)) {
     case form::rows_dense:
       for (int r = 0; r < bench_values::kRows; ++r) {
-        const float* p = t.dense_w.data() + static_cast<std::ptrdiff_t>(r) * w;
-        const float* v = t.v.data();
+        const float* p = t.dense_w.ptr + static_cast<std::ptrdiff_t>(r) * w;
+        const float* v = t.v.ptr;
         add_row_combination(
-            t.acc.data() + static_cast<std::ptrdiff_t>(r) * dp, dp, w, [p](int k) { return p[k]; },
+            t.acc.ptr + static_cast<std::ptrdiff_t>(r) * dp, dp, w, [p](int k) { return p[k]; },
             [v, dp](int k) { return v + static_cast<std::ptrdiff_t>(k) * dp; });
       }
       return bench_values::kRows * w * per_key;
     case form::rows_pairs:
       for (int r = 0; r < bench_values::kRows; ++r) {
-        const float* p = t.pair_w.data() + static_cast<std::ptrdiff_t>(r) * (w / 2);
-        const std::int32_t* o = t.offsets.data() + static_cast<std::ptrdiff_t>(r) * (w / 2);
-        const float* v = t.v.data();
+        const float* p = t.pair_w.ptr + static_cast<std::ptrdiff_t>(r) * (w / 2);
+        const std::int32_t* o = t.offsets.ptr + static_cast<std::ptrdiff_t>(r) * (w / 2);
+        const float* v = t.v.ptr;
         add_row_combination(
-            t.acc.data() + static_cast<std::ptrdiff_t>(r) * dp, dp, w / 2, [p](int k) { return p[k]; },
+            t.acc.ptr + static_cast<std::ptrdiff_t>(r) * dp, dp, w / 2, [p](int k) { return p[k]; },
             [v, o](int k) { return v + o[k]; });
       }
       return bench_values::kRows * (w / 2) * per_key;
@@ -106,14 +84,14 @@ std::int64_t run_form(int f, bench_values::tile& t) {
         const float* wt[kValueRows];
         for (int i = 0; i < kValueRows; ++i) {
           const int r = std::min(r0 + i, bench_values::kRows - 1);
-          acc[i] = t.acc.data() + static_cast<std::ptrdiff_t>(r) * dp;
-          wt[i] = paired ? t.signed_w.data() + static_cast<std::ptrdiff_t>(r) * (w / 2)
-                         : t.dense_w.data() + static_cast<std::ptrdiff_t>(r) * w;
+          acc[i] = t.acc.ptr + static_cast<std::ptrdiff_t>(r) * dp;
+          wt[i] = paired ? t.signed_w.ptr + static_cast<std::ptrdiff_t>(r) * (w / 2)
+                         : t.dense_w.ptr + static_cast<std::ptrdiff_t>(r) * w;
         }
         if (paired) {
-          add_tile_rows<kValueRows, true>(acc, wt, 1, t.v.data(), t.vn.data(), dp, w / 2);
+          add_tile_rows<kValueRows, true>(acc, wt, 1, t.v.ptr, t.vn.ptr, dp, w / 2);
         } else {
-          add_tile_rows<kValueRows, false>(acc, wt, 1, t.v.data(), t.v.data(), dp, w);
+          add_tile_rows<kValueRows, false>(acc, wt, 1, t.v.ptr, t.v.ptr, dp, w);
         }
       }
       const std::int64_t blocks = (bench_values::kRows + kValueRows - 1) / kValueRows;
@@ -146,22 +124,22 @@ using dfss::bench_values::kRows;
 
 /// A tile of head dim @p dp with the forward's key tile; random weights (never zeros), V in
 /// [-1, 1), each row keeping a random key of every pair.
-dfss::bench_values::tile make_tile(int dp) {
-  dfss::bench_values::tile t;
+void make_tile(int dp, dfss::bench_values::tile& t) {
   t.dp = dp;
   t.w = dfss::cpu::simd::forward_key_tile(dp);  // the fp32 forward's: 128 keys at d = 64, 64 at d = 128
   std::mt19937 gen(2023);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f), weight(1e-3f, 1.0f);
-  t.v.assign(static_cast<std::size_t>((t.w + 1) * dp), 0.0f);
-  for (int k = 0; k < t.w * dp; ++k) t.v[static_cast<std::size_t>(k)] = uni(gen);
+  t.v.resize(static_cast<std::size_t>((t.w + 1) * dp));
+  std::fill(t.v.ptr, t.v.ptr + t.v.size, 0.0f);
+  for (int k = 0; k < t.w * dp; ++k) t.v.ptr[k] = uni(gen);
   t.vn.resize(static_cast<std::size_t>((t.w / 2) * dp));
   for (int g = 0; g < t.w / 2; ++g) {
     for (int c = 0; c < dp; ++c) {
-      t.vn[static_cast<std::size_t>(g * dp + c)] = -t.v[static_cast<std::size_t>((2 * g + 1) * dp + c)];
+      t.vn.ptr[g * dp + c] = -t.v.ptr[(2 * g + 1) * dp + c];
     }
   }
   t.dense_w.resize(static_cast<std::size_t>(kRows * t.w));
-  for (auto& x : t.dense_w) x = weight(gen);
+  for (std::size_t i = 0; i < t.dense_w.size; ++i) t.dense_w.ptr[i] = weight(gen);
   const std::size_t half = static_cast<std::size_t>(kRows * (t.w / 2));
   t.pair_w.resize(half);
   t.signed_w.resize(half);
@@ -169,16 +147,17 @@ dfss::bench_values::tile make_tile(int dp) {
   for (std::size_t s = 0; s < half; ++s) {
     const int pair = static_cast<int>(s % static_cast<std::size_t>(t.w / 2));
     const bool odd = (gen() & 1u) != 0;
-    t.pair_w[s] = weight(gen);
-    t.signed_w[s] = odd ? -t.pair_w[s] : t.pair_w[s];
-    t.offsets[s] = (2 * pair + (odd ? 1 : 0)) * dp;
+    t.pair_w.ptr[s] = weight(gen);
+    t.signed_w.ptr[s] = odd ? -t.pair_w.ptr[s] : t.pair_w.ptr[s];
+    t.offsets.ptr[s] = (2 * pair + (odd ? 1 : 0)) * dp;
   }
-  t.acc.assign(static_cast<std::size_t>(kRows * dp), 0.0f);
-  return t;
+  t.acc.resize(static_cast<std::size_t>(kRows * dp));
+  std::fill(t.acc.ptr, t.acc.ptr + t.acc.size, 0.0f);
 }
 
 void bm_form(benchmark::State& state, form f, int dp) {
-  auto t = make_tile(dp);
+  dfss::bench_values::tile t;
+  make_tile(dp, t);
   auto* run = HWY_DYNAMIC_DISPATCH(dfss::cpu::simd::run_form);
   const std::int64_t fmas = run(static_cast<int>(f), t);
   if (fmas < 0) {
@@ -187,7 +166,7 @@ void bm_form(benchmark::State& state, form f, int dp) {
   }
   for (auto _ : state) {
     run(static_cast<int>(f), t);
-    benchmark::DoNotOptimize(t.acc.data());
+    benchmark::DoNotOptimize(t.acc.ptr);
     benchmark::ClobberMemory();
   }
   state.counters["FMAs"] =

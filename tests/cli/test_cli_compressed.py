@@ -24,39 +24,8 @@ except ImportError:  # pragma: no cover - exercised on machines without numpy
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_cli import DfssCliCase, rel_err, semantics_forward  # noqa: E402  (shared helpers)
+from test_cli import DfssCliCase, masked_scores, rel_err, selection_margin, semantics_forward  # noqa: E402  (shared helpers)
 
-
-
-def masked_scores(q, k, causal=False, lens=None, bias=None):
-    """Masked scores S [B, H, Lq, Lk] in float64 (-inf where masked), as in docs/semantics.md."""
-    B, Lq, H, _ = q.shape
-    Lk, Hkv = k.shape[1], k.shape[2]
-    kk = np.repeat(k.astype(np.float64), H // Hkv, axis=2)
-    s = np.einsum("bihc,bjhc->bhij", q.astype(np.float64), kk)
-    if bias is not None:
-        s = s + bias
-    visible = np.ones((B, 1, Lq, Lk), dtype=bool)
-    if lens is not None:
-        visible &= (np.arange(Lk)[None, :] < np.asarray(lens)[:, None])[:, None, None, :]
-    if causal:
-        visible &= (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + (Lk - Lq))[None, None]
-    return np.where(visible, s, -np.inf)
-
-
-def selection_margin(s, n, m):
-    """The smallest gap, over the groups of M keys of the masked scores s with more than N visible
-    keys, between the N-th and (N+1)-th largest visible score: how far the inputs are from a tie that
-    fp32 rounding could resolve either way (inf when no group selects)."""
-    Lk = s.shape[-1]
-    groups = -(-Lk // m)
-    padded = np.full(s.shape[:-1] + (groups * m,), -np.inf)
-    padded[..., :Lk] = s
-    g = -np.sort(-padded.reshape(s.shape[:-1] + (groups, m)), axis=-1)
-    selecting = np.isfinite(g[..., n])
-    if not selecting.any():
-        return np.inf
-    return float(np.min(g[..., n - 1][selecting] - g[..., n][selecting]))
 
 
 def compressed(s, n, m, scale):

@@ -20,14 +20,12 @@ except ImportError:  # pragma: no cover - exercised on machines without numpy
     sys.exit(77)
 
 
-def semantics_forward(q, k, v, n, m, causal=False, scale=None, lens=None, bias=None):
-    """O [B, Lq, H, d], LSE [B, H, Lq] and the keep mask [B, H, Lq, Lk] per docs/semantics.md."""
-    B, Lq, H, d = q.shape
+def masked_scores(q, k, causal=False, lens=None, bias=None):
+    """Masked scores S [B, H, Lq, Lk] in float64 (-inf where masked), as in docs/semantics.md."""
+    B, Lq, H, _ = q.shape
     Lk, Hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / np.sqrt(d) if scale is None else scale
-    kk = np.repeat(k, H // Hkv, axis=2)
-    vv = np.repeat(v, H // Hkv, axis=2)
-    s = np.einsum("bihc,bjhc->bhij", q, kk)
+    kk = np.repeat(k.astype(np.float64), H // Hkv, axis=2)
+    s = np.einsum("bihc,bjhc->bhij", q.astype(np.float64), kk)
     if bias is not None:
         s = s + bias
     visible = np.ones((B, 1, Lq, Lk), dtype=bool)
@@ -35,7 +33,16 @@ def semantics_forward(q, k, v, n, m, causal=False, scale=None, lens=None, bias=N
         visible &= (np.arange(Lk)[None, :] < np.asarray(lens)[:, None])[:, None, None, :]
     if causal:
         visible &= (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + (Lk - Lq))[None, None]
-    s = np.where(visible, s, -np.inf)
+    return np.where(visible, s, -np.inf)
+
+
+def semantics_forward(q, k, v, n, m, causal=False, scale=None, lens=None, bias=None):
+    """O [B, Lq, H, d], LSE [B, H, Lq] and the keep mask [B, H, Lq, Lk] per docs/semantics.md."""
+    H, d = q.shape[2], q.shape[3]
+    Lk, Hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    vv = np.repeat(v, H // Hkv, axis=2)
+    s = masked_scores(q, k, causal=causal, lens=lens, bias=bias)
     groups = -(-Lk // m)
     padded = np.full(s.shape[:-1] + (groups * m,), -np.inf)
     padded[..., :Lk] = s
@@ -71,22 +78,6 @@ def semantics_backward(q, k, v, dout, n, m, **kw):
     dk = dk_full.reshape(B, Lk, Hkv, H // Hkv, d).sum(axis=3)
     dv = dv_full.reshape(B, Lk, Hkv, H // Hkv, d).sum(axis=3)
     return dq, dk, dv, scale * ds
-
-
-def masked_scores(q, k, causal=False, lens=None, bias=None):
-    """Masked scores S [B, H, Lq, Lk] in float64 (-inf where masked), as in docs/semantics.md."""
-    B, Lq, H, _ = q.shape
-    Lk, Hkv = k.shape[1], k.shape[2]
-    kk = np.repeat(k.astype(np.float64), H // Hkv, axis=2)
-    s = np.einsum("bihc,bjhc->bhij", q.astype(np.float64), kk)
-    if bias is not None:
-        s = s + bias
-    visible = np.ones((B, 1, Lq, Lk), dtype=bool)
-    if lens is not None:
-        visible &= (np.arange(Lk)[None, :] < np.asarray(lens)[:, None])[:, None, None, :]
-    if causal:
-        visible &= (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + (Lk - Lq))[None, None]
-    return np.where(visible, s, -np.inf)
 
 
 def selection_margin(s, n, m):

@@ -9,9 +9,10 @@
 ``register`` adds two functions under one name: an attention function (``AttentionInterface``, what
 ``attn_implementation=...`` selects) and a mask function (``AttentionMaskInterface``). The mask
 function does not build transformers' 4-D ``[B, 1, Lq, Lk]`` mask: it returns a ``DFSSMask`` that
-says what the operator needs (causal flag, per-sequence key lengths, how many cache slots hold keys),
-and builds a 4-D mask, passed to dfss as an additive bias, only when the mask cannot be said that way
-(left padding, packed sequences, custom mask functions). docs/transformers.md has the mapping.
+says what the operator needs (causal flag, per-sequence key lengths, how many cache slots hold keys,
+and for left padding a per-key mask ``[B, Lk]`` broadcast over the query rows), and builds a 4-D
+mask, passed to dfss as an additive bias, only when the mask cannot be said that way (packed
+sequences, custom mask functions). docs/transformers.md has the mapping.
 
 This module imports transformers only inside ``register``: ``import dfss`` works without it.
 CI tests transformers 5.24.0 (tools/scripts/torch2-venv-extras.txt); the mask function also takes
@@ -36,14 +37,18 @@ class DFSSMask:
       (a static cache's unused slots, or the keys after the last query position); the attention
       function slices K and V to them (a view), which makes the bottom-right rule exact.
     * ``key_lengths``: None or an int64 tensor [B]: right padding, valid keys per sequence.
+    * ``key_mask``: None or a bool tensor [B, Lk] (True takes part, Lk before ``key_limit``): keys
+      a sequence never sees (left padding, holes in the padding mask), on top of the causal flag and
+      key lengths; given to dfss as a bias [B, 1, 1, Lk], broadcast over the query rows.
     * ``mask``: None or a bool tensor [B, 1, Lq, Lk] (True takes part): the fallback for masks that
       the fields above cannot express; then the others are unused.
     * ``query_offset``, ``key_offset``: the global positions of query row 0 and key 0 as transformers
-      gave them (kept for the operator's future key_offset/query_offset; unused today).
+      gave them, for inspection (the mapping needs neither the operator's key_offset nor query_offset).
     * ``kv_length``: the key length transformers sized the mask for (checked against K).
     """
 
-    __slots__ = ("causal", "key_limit", "key_lengths", "mask", "query_offset", "key_offset", "kv_length")
+    __slots__ = ("causal", "key_limit", "key_lengths", "key_mask", "mask", "query_offset", "key_offset",
+                 "kv_length")
 
     # generate() with a static (compileable) cache makes the masks before the forward and passes them
     # as the model's attention_mask; transformers' mask preprocessing then calls the mask function
@@ -51,10 +56,11 @@ class DFSSMask:
     # function returns a DFSSMask it receives as it is.
     ndim = 4
 
-    def __init__(self, causal, key_limit, key_lengths, mask, query_offset, key_offset, kv_length):
+    def __init__(self, causal, key_limit, key_lengths, mask, query_offset, key_offset, kv_length, key_mask=None):
         self.causal = causal
         self.key_limit = key_limit
         self.key_lengths = key_lengths
+        self.key_mask = key_mask
         self.mask = mask
         self.query_offset = query_offset
         self.key_offset = key_offset
@@ -64,7 +70,8 @@ class DFSSMask:
         if self.mask is not None:
             return f"DFSSMask(mask={list(self.mask.shape)})"
         return (f"DFSSMask(causal={self.causal}, key_limit={self.key_limit}, "
-                f"key_lengths={None if self.key_lengths is None else self.key_lengths.tolist()})")
+                f"key_lengths={None if self.key_lengths is None else self.key_lengths.tolist()}, "
+                f"key_mask={None if self.key_mask is None else list(self.key_mask.shape)})")
 
 
 def _error(what):
@@ -156,10 +163,11 @@ def _make_mask_function(masking_utils):
             causal = False
         else:
             return materialized()  # sliding window, chunked, packed sequences, or/and overlays, ...
-        if _tracing(attention_mask, q_offset, kv_offset):
-            return materialized()
+        tracing = _tracing(attention_mask, q_offset, kv_offset)
         # A static cache gives q_offset as a tensor (it hands every layer its whole buffer).
         static_cache = isinstance(q_offset, torch.Tensor)
+        if tracing and (static_cache or isinstance(kv_offset, torch.Tensor)):
+            return materialized()  # the mapping would depend on a tensor's value
         q_offset = int(q_offset)
         kv_offset = int(kv_offset)
         key_limit = kv_length
@@ -172,17 +180,26 @@ def _make_mask_function(masking_utils):
             # Keys past delta + Lq - 1 are hidden from every row: dropping them leaves Lk' = delta + Lq,
             # and dfss's bottom-right rule j <= i + Lk' - Lq is then exactly j <= i + delta.
             key_limit = delta + q_length
-        key_lengths = None
+        key_lengths = key_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 return materialized()
-            pad = _padding_mask(attention_mask, key_limit, kv_offset)
-            if not bool(pad.all()):
-                lengths = pad.sum(-1)
+            # transformers ands the padding mask with the causal one: key j of sequence b takes part
+            # iff pad[b, j] and the causal rule allows it.
+            pad = _padding_mask(attention_mask, kv_length, kv_offset)
+            if tracing:
+                key_mask = pad  # no branch on its values (a bias of zeros where nothing is padded)
+            elif not bool(pad[:, :key_limit].all()):
+                seen = pad[:, :key_limit]
+                lengths = seen.sum(-1)
                 prefix = torch.arange(key_limit, device=pad.device)[None, :] < lengths[:, None]
-                if not bool(torch.equal(prefix, pad)):
-                    return materialized()  # left padding or holes: not a key length
-                key_lengths = lengths.to(torch.int64)
+                if bool(torch.equal(prefix, seen)):
+                    key_lengths = lengths.to(torch.int64)  # right padding: key lengths
+                else:
+                    # Left padding or holes: a per-key mask broadcast over the query rows, beside the
+                    # causal flag, which keeps each row's window (causal tiles skipped, and the last
+                    # visible key that places a recent window) where a [B, 1, Lq, Lk] mask would not.
+                    key_mask = pad
         if causal and q_length <= 1 and (key_limit < kv_length or static_cache):
             # One query row (decode): causality is the key limit alone, given as key lengths rather
             # than a slice, so that K and V keep the cache's shape and a compiled decode step with a
@@ -195,7 +212,7 @@ def _make_mask_function(masking_utils):
         if causal and q_length <= 1:
             causal = False
         return DFSSMask(causal, None if key_limit == kv_length else key_limit, key_lengths, None,
-                        q_offset, kv_offset, kv_length)
+                        q_offset, kv_offset, kv_length, key_mask)
 
     return dfss_mask
 
@@ -233,18 +250,21 @@ def _make_attention_function(name, pattern, sink_tokens, recent_tokens):
                                     f"got {list(query.shape)}, {list(key.shape)}, {list(value.shape)}"))
         b, h, lq, d = query.shape
         key_lengths = bias = None
+        four_d = False  # a [B, 1, Lq, Lk] mask, not the key mask of left padding
         if isinstance(attention_mask, DFSSMask):
             m = attention_mask
             if key.shape[2] != m.kv_length:
                 raise ValueError(_error(f"{where}: the mask was made for {m.kv_length} keys, got key of "
                                         f"shape {list(key.shape)} (a mask of another layer type?)"))
             if m.mask is not None:
-                mask, causal = m.mask, False
+                mask, causal, four_d = m.mask, False, True
             else:
                 mask, causal = None, m.causal
                 key_lengths = m.key_lengths
                 if m.key_limit is not None:
                     key, value = key[:, :, :m.key_limit], value[:, :, :m.key_limit]
+                if m.key_mask is not None:
+                    mask = m.key_mask[:, None, None, :key.shape[2]]
             # transformers' "bidirectional decoder" switch (is_causal=False in the model's kwargs).
             if is_causal is False:
                 causal = False
@@ -253,12 +273,20 @@ def _make_attention_function(name, pattern, sink_tokens, recent_tokens):
             causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
             causal = causal and lq > 1
         elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-            mask, causal = attention_mask, False  # a user's 4-D mask (bool, or float added to the scores)
+            # A user's 4-D mask (bool, or float added to the scores).
+            mask, causal, four_d = attention_mask, False, True
         else:
             raise ValueError(_error(f"{where}: expected the mask of the '{name}' mask function, None or a 4-D "
                                     f"mask, got {type(attention_mask).__name__}"
                                     f"{list(attention_mask.shape) if hasattr(attention_mask, 'shape') else ''}"
                                     f" (was the model loaded with attn_implementation='{name}'?)"))
+        if recent_tokens and four_d:
+            raise NotImplementedError(_error(
+                f"{where}: recent_tokens={recent_tokens} with a mask that reaches dfss only as a 4-D "
+                f"[B, 1, Lq, Lk] mask (packed sequences, a custom mask function, a static cache's mask "
+                f"made while tracing, or a 4-D attention_mask): a recent window is placed from each "
+                f"query's last visible key, which dfss knows from the causal flag and key lengths, not "
+                f"from a 4-D mask; pass a 2-D padding mask, or register with recent_tokens=0"))
         if mask is not None:
             eff_scale = 1.0 / math.sqrt(d) if scaling is None else scaling
             bias = mask_to_bias(mask, b, h, lq, key.shape[2], query.dtype, eff_scale, name="attention_mask")
@@ -291,6 +319,9 @@ def register(name="dfss", pattern="2:4", sink_tokens=0, recent_tokens=0):
     ``sink_tokens`` cache slots or a query's last ``recent_tokens`` visible keys (docs/semantics.md,
     "Sink and recent windows"; as NVIDIA Model Optimizer's N:M prefill masking does). Positions count
     cache slots: with left padding the sink covers the padding slots, not a sequence's first tokens.
+    A recent window ends at each row's own position, which dfss reads from the causal flag: with a
+    mask that reaches it only as a 4-D mask (packed sequences, custom mask functions, a user's 4-D
+    ``attention_mask``) ``recent_tokens > 0`` raises NotImplementedError.
     Not implemented, raising NotImplementedError at the forward: sliding-window layers, logit
     soft-capping, learned sinks (``s_aux``), T5-style position bias, ``head_mask``, attention dropout
     (training with ``attention_dropout > 0``) and ``output_attentions=True``.

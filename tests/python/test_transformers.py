@@ -7,6 +7,7 @@ import torch
 
 import dfss
 import dfss.transformers
+from reference import reference_attention
 
 transformers = pytest.importorskip("transformers", minversion="5.0",
                                    reason="needs transformers >= 5 (tools/scripts/torch2-venv.sh)")
@@ -177,12 +178,76 @@ def test_mask_function_maps_padding_and_causality():
     # Speculative decoding: 3 rows against 9 cached keys: bottom-right causal.
     m = _mask_for(DENSE, ones, 3, past=9)
     assert m.mask is None and m.causal and m.key_limit is None
+    # Left padding and holes: the causal flag and a per-key mask (broadcast over the query rows), never
+    # a [B, 1, Lq, Lk] mask; together they are transformers' own mask (causal and padding).
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    for holes in ([(0, 0, 4)], [(0, 0, 4), (1, 5, 7)], [(1, 3, 4)]):
+        pad = ones.clone()
+        for b, start, end in holes:
+            pad[b, start:end] = 0
+        m = _mask_for(DENSE, pad, 12)
+        assert m.mask is None and m.causal and m.key_lengths is None and m.key_limit is None, holes
+        assert torch.equal(m.key_mask, pad.bool()), holes
+        want = masking_utils.sdpa_mask(batch_size=2, q_length=12, kv_length=12, q_offset=0, kv_offset=0,
+                                       mask_function=masking_utils.causal_mask_function, attention_mask=pad,
+                                       allow_is_causal_skip=False)
+        assert torch.equal(causal[None, None] & m.key_mask[:, None, None, :], want), holes
+    # Decode of a left-padded batch: one row, every cached key but the padding.
     left = ones.clone()
     left[0, :4] = 0
-    m = _mask_for(DENSE, left, 12)
-    assert m.mask is not None and m.mask.shape == (2, 1, 12, 12) and m.mask.dtype == torch.bool
-    want = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & left.bool()[:, None, None, :]
-    assert torch.equal(m.mask, want)
+    m = _mask_for(DENSE, left, 1, past=11)
+    assert m.mask is None and not m.causal and m.key_lengths is None and torch.equal(m.key_mask, left.bool())
+
+
+@pytest.mark.parametrize("pattern", ["dense", "2:4"])
+def test_left_padding_with_windows_matches_reference(pattern):
+    # Left padding reaches dfss as the causal flag and a key mask, so each query row's recent window
+    # sits below its own position (docs/semantics.md, "Sink and recent windows"), as in the reference.
+    name = dfss.transformers.register(f"dfss-test-left-windows-{pattern}", pattern=pattern, sink_tokens=3,
+                                      recent_tokens=6)
+    fn = _attention_function(name)
+    pad = torch.ones(3, 21, dtype=torch.long)
+    pad[0, :5] = 0
+    pad[2, :12] = 0
+    mask = _mask_for(name, pad, 21)
+    assert isinstance(mask, dfss.transformers.DFSSMask) and mask.mask is None and mask.key_mask is not None
+    q = torch.randn(3, 4, 21, 16, dtype=torch.float64)
+    k = torch.randn(3, 2, 21, 16, dtype=torch.float64)
+    v = torch.randn(3, 2, 21, 16, dtype=torch.float64)
+    out, _ = fn(_Module(), q, k, v, mask, scaling=0.3)
+    bias = torch.zeros(3, 4, 21, 21, dtype=torch.float64).masked_fill(~pad.bool()[:, None, None, :], float("-inf"))
+    want, _ = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pattern=pattern,
+                                  causal=True, scale=0.3, bias=bias, sink_tokens=3, recent_tokens=6)
+    rows = pad.bool()  # padded query rows see no key: 0 in both
+    torch.testing.assert_close(out[rows], want[rows], rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[~rows], torch.zeros_like(out[~rows]))
+
+
+def test_left_padding_generation_with_windows_is_padding_invariant():
+    # With M = 4 left padding of 4 slots moves a sequence by one whole group: its 2:4 groups, sink-free
+    # recent windows and RoPE positions are those of the sequence alone, so its greedy generation is too.
+    name = dfss.transformers.register("dfss-test-recent", pattern="2:4", recent_tokens=4)
+    (model,) = _models("llama", [name])
+    short, longer = _ids(1, 21), _ids(1, 25)
+    ids = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), longer])
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    seq, logits = _generate(model, ids, mask)
+    alone, alone_logits = _generate(model, short, torch.ones_like(short))
+    assert torch.equal(seq[0, 4:], alone[0])
+    torch.testing.assert_close(logits[0], alone_logits[0], rtol=1e-6, atol=1e-6)  # generate: fp32 logits
+
+
+def test_recent_window_with_a_4d_mask_raises():
+    name = dfss.transformers.register("dfss-test-recent-4d", pattern="2:4", recent_tokens=4)
+    fn = _attention_function(name)
+    q = torch.randn(1, 4, 5, 8)
+    k = torch.randn(1, 2, 5, 8)
+    full = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    with pytest.raises(NotImplementedError, match="recent_tokens=4 with a mask that reaches dfss only as a 4-D"):
+        fn(_Module(), q, k, k, full, scaling=0.3)
+    out, _ = _attention_function(SPARSE)(_Module(), q, k, k, full, scaling=0.3)  # no window: the bias
+    assert torch.isfinite(out).all()
 
 
 def test_static_cache_generation_dense_matches_sdpa():
@@ -219,6 +284,13 @@ def test_torch_compile():
     with torch.no_grad():
         got = compiled(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Left padding while tracing: the causal flag and a key mask too (no branch on the mask's values).
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=pad).logits
+        got = compiled(ids, attention_mask=pad).logits
+    torch.testing.assert_close(got[pad.bool()], want[pad.bool()], rtol=1e-5, atol=1e-5)
     model.train()
     loss = compiled(ids, labels=ids).loss
     loss.backward()
@@ -303,13 +375,17 @@ def _spy(name):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_generation_builds_no_4d_mask(cache):
-    # Without left padding, prefill and decode reach dfss as flags and key lengths, never as a 4-D mask.
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_generation_builds_no_4d_mask(cache, padding):
+    # Prefill and decode reach dfss as flags, key lengths and (left padding) a key mask, never as a
+    # 4-D mask.
     name, seen = _spy(SPARSE)
     (model,) = _models("llama", [name])
     ids = _ids(2, 9)
-    right = torch.ones_like(ids)
-    model.generate(ids, attention_mask=right, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+    mask = torch.ones_like(ids)
+    if padding == "left":
+        mask[1, :3] = 0
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                    pad_token_id=0, cache_implementation=cache)
     assert seen and set(seen) == {"keys"}, seen
 

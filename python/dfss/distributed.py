@@ -6,7 +6,7 @@ rank holds the same queries and one contiguous shard of the keys and values, com
 result with its global ``key_offset``, and the partial results are combined with the exact merge::
 
     import torch.distributed as dist, dfss.distributed
-    dist.init_process_group("gloo")            # or "nccl"
+    dist.init_process_group("gloo")            # CPU tensors: the CUDA backend refuses key_offset
     out, lse = dfss.distributed.context_parallel_attention(q, k_shard, v_shard, is_causal=True,
                                                            pattern="2:4", return_lse=True)
 
@@ -104,9 +104,15 @@ def context_parallel_attention(q, k_shard, v_shard, group=None, *, pattern="2:4"
     total = sum(lengths)
     batch, lq = q.shape[0], q.shape[seq_dim]
     if key_lengths is None:
-        key_lengths = torch.full((batch,), total, dtype=torch.int64)
+        key_lengths = torch.full((batch,), total, dtype=torch.int64, device=q.device)
     if query_offset is None:
-        query_offset = torch.full((batch,), total - lq, dtype=torch.int64)
+        # The bottom-right rule, total keys - Lq, as global positions (which start at 0). Without a
+        # causal mask query positions place nothing (a row's last visible key is its sequence's last).
+        if total < lq and is_causal:
+            raise ValueError(_error(f"is_causal with {lq} query rows against {total} keys in all: the "
+                                    f"bottom-right rule would put query row 0 at position {total - lq}, "
+                                    f"and positions start at 0; pass query_offset"))
+        query_offset = torch.full((batch,), max(total - lq, 0), dtype=torch.int64, device=q.device)
     q_in = _ReplicatedInput.apply(q, group) if q.requires_grad else q
     out, lse = attention(q_in, k_shard, v_shard, is_causal=is_causal, scale=scale, pattern=pattern,
                          key_lengths=key_lengths, query_offset=query_offset, key_offset=key_offset,

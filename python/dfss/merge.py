@@ -22,7 +22,8 @@ def _check(name, t, dims):
 
 
 def _merge2(oa, la, ob, lb):
-    """One merge in layout [B, H, L, d] / [B, H, L]; fp32 arithmetic (fp64 for fp64 outputs)."""
+    """One merge in layout [B, H, L, d] / [B, H, L]; fp32 arithmetic (fp64 for fp64 outputs), out
+    returned in that precision (the caller rounds it to the parts' dtype once, after the last merge)."""
     acc = torch.float64 if oa.dtype == torch.float64 else torch.float32
     oa32, ob32, la32, lb32 = oa.to(acc), ob.to(acc), la.to(acc), lb.to(acc)
     inf = math.inf
@@ -49,7 +50,7 @@ def _merge2(oa, la, ob, lb):
     lse = torch.where(nan_row, nan, lse)
     out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
     out = torch.where((nan_row | both_inf).unsqueeze(-1), torch.full_like(out, math.nan), out)
-    return out.to(oa.dtype), lse
+    return out, lse
 
 
 def merge_attention_states(out_a, lse_a=None, out_b=None, lse_b=None, *, layout="bhld"):
@@ -59,7 +60,8 @@ def merge_attention_states(out_a, lse_a=None, out_b=None, lse_b=None, *, layout=
     lse_0), (out_1, lse_1), ...])`` (merged in list order). Outputs are [B, H, L, d] (layout="bhld",
     SDPA's; layout="blhd": [B, L, H, d]), LSEs [B, H, L] in natural log, as
     ``dfss.attention(..., return_lse=True)`` returns them. Returns (out, lse): out in the parts'
-    dtype and layout, lse in float32 (float64 for float64 outputs). Per row: a NaN in any part gives
+    dtype and layout (a list of 16-bit parts is merged in float32 and rounded once, at the end),
+    lse in float32 (float64 for float64 outputs). Per row: a NaN in any part gives
     a NaN row and LSE; empty parts (LSE -inf) contribute nothing, and all-empty rows give 0 and -inf
     with zero gradients; a part with LSE +inf (its scores overflowed) outweighs finite ones, and two
     such parts give a NaN row with LSE +inf. Differentiable in every out and lse.
@@ -101,8 +103,10 @@ def merge_attention_states(out_a, lse_a=None, out_b=None, lse_b=None, *, layout=
                              f"dtype, got {o.dtype}")
         checked.append((o, lse))
     out, lse = checked[0]
+    dtype = out.dtype
     if len(checked) == 1:
         lse = lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
     for o, l in checked[1:]:
-        out, lse = _merge2(out, lse, o, l)
+        out, lse = _merge2(out, lse, o, l)  # 16-bit parts: the running result stays in fp32
+    out = out.to(dtype)
     return (out if layout == "bhld" else out.transpose(1, 2)), lse

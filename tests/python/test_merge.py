@@ -99,6 +99,22 @@ def test_list_form_and_layouts():
     assert torch.equal(out2.transpose(1, 2), out) and torch.equal(lse2, lse)
 
 
+def test_list_of_16_bit_parts_is_rounded_once():
+    # Eight bf16 parts merged in one call: the running result stays in fp32, so the output is the fp64
+    # merge rounded once to bf16 (within 2^-8 of it, with 2^-7 of slack for the fp32 arithmetic), not
+    # seven times (a running bf16 result drifts by up to 7 roundings).
+    parts = [(torch.randn(2, 3, 64, 16).to(torch.bfloat16), torch.randn(2, 3, 64) * 3) for _ in range(8)]
+    out, lse = dfss.merge_attention_states(parts)
+    want_o, want_l = parts[0][0].double(), parts[0][1].double()
+    for o, l in parts[1:]:
+        want_o, want_l = oracle(want_o, want_l, o, l)
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - want_o).abs()
+    bound = want_o.abs() * 2.0 ** -8 + 2.0 ** -7 * 2.0 ** -8
+    assert bool((err <= bound).all()), f"max error over the bound {(err - bound).max()}"
+    close(lse, want_l, 1e-5)
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda o, l: dfss.merge_attention_states(o, l[:, :, :3], o, l), "argument 'lse_a': expected shape"),
     (lambda o, l: dfss.merge_attention_states(o, l, o.double(), l), "argument 'out_b': expected shape"),

@@ -271,6 +271,77 @@ void expect_matches_on_every_isa(const problem& pr, const forward_result& want, 
   }
 }
 
+/// @p pr with a bias [B, 1, Lq, Lk] (broadcast over heads) of 0 for the keys @p keep(b, j) and -inf
+/// for the others: a mask given as a bias.
+template <typename Keep>
+void set_mask_bias(problem& pr, Keep keep) {
+  pr.has_bias = true;
+  pr.bias_b = true;
+  pr.bias_h = false;
+  pr.bias.assign(static_cast<std::size_t>(pr.bias_numel()), 0.0);
+  for (std::int64_t b = 0; b < pr.B; ++b) {
+    for (std::int64_t i = 0; i < pr.Lq; ++i) {
+      for (std::int64_t j = 0; j < pr.Lk; ++j) {
+        if (!keep(b, j)) pr.bias[static_cast<std::size_t>((b * pr.Lq + i) * pr.Lk + j)] = -kInf;
+      }
+    }
+  }
+}
+
+TEST(CpuDecode, MaskGivenAsABiasKeepsTheDirectPath) {
+  // A bias of 0 and -inf only (left padding from dfss.transformers, a boolean attn_mask) masks keys
+  // exactly, so the decode kernel keeps its direct path (bias_only_masks). Random inputs: -inf from
+  // each sequence's length on gives the bits that those key lengths give without a bias, 1 and 3
+  // threads, f32 and bf16 caches. Both runs take the direct path; the panel path sums in another
+  // order, so a bias sent there differs in rounding. The lengths are whole chunks (512 keys), so
+  // the tiles both runs compute hold the same keys.
+  std::mt19937_64 rng(test_seed() + 107);
+  for (pattern pat : kPatterns) {
+    shape s{2, 1, 1500, 8, 2, 64, false, false, {1024, 512}};
+    const problem with_lengths = make_problem(s, pat, rng, /*integers=*/false);
+    problem with_bias = with_lengths;
+    with_bias.key_lengths.clear();
+    set_mask_bias(with_bias, [&](std::int64_t b, std::int64_t j) { return j < with_lengths.key_lengths[static_cast<std::size_t>(b)]; });
+    for (cpu_isa isa : runnable_cpu_isas()) {
+      if (isa == cpu_isa::generic) continue;  // the scalar twin has no decode kernel
+      for (dtype t : {dtype::f32, dtype::bf16}) {
+        for (int threads : {1, 3}) {
+          run_options opt;
+          opt.type = t;
+          opt.out_type = dtype::f32;
+          opt.backend = backend::cpu;
+          opt.isa = isa;
+          opt.threads = threads;
+          const auto want = run_forward(with_lengths, opt);
+          const auto got = run_forward(with_bias, opt);
+          ASSERT_EQ(got.o.size(), want.o.size());
+          EXPECT_EQ(0, std::memcmp(got.o.data(), want.o.data(), want.o.size() * sizeof(double)))
+              << label(with_bias, isa, t) << " " << threads << " threads";
+          EXPECT_EQ(0, std::memcmp(got.lse.data(), want.lse.data(), want.lse.size() * sizeof(double)))
+              << label(with_bias, isa, t) << " " << threads << " threads";
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuDecode, MaskGivenAsABiasMatchesReference) {
+  // Left padding (the first keys of a sequence masked), holes, and a sequence with every key masked
+  // (O = 0, LSE = -inf), as a bias of 0 and -inf, with 2 causal draft rows; every pattern, against the
+  // fp64 reference on small integers; then one finite bias value in batch 0 (its tasks take the
+  // panel path) too.
+  std::mt19937_64 rng(test_seed() + 108);
+  for (pattern pat : kPatterns) {
+    shape s{3, 2, 1100, 8, 2, 64, true, false, {}};
+    problem pr = make_problem(s, pat, rng, /*integers=*/true);
+    const std::int64_t pad[] = {37, 600, 1100};
+    set_mask_bias(pr, [&](std::int64_t b, std::int64_t j) { return j >= pad[b] && j % 97 != 5 && j != 701; });
+    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true);
+    for (std::int64_t i = 0; i < pr.Lq; ++i) pr.bias[static_cast<std::size_t>(i * pr.Lk + 900)] = 3.0;
+    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true);
+  }
+}
+
 TEST(CpuDecode, PositionsAndWindowsAcrossChunks) {
   // Sink and recent windows (groups kept whole) and key / query offsets on a cache split into 9
   // chunks of 512 keys: the recent window spans chunk boundaries, the sink ends inside a group, the

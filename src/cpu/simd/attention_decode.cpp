@@ -14,10 +14,10 @@
 //        once; a bf16 cache on avx3_bf16 by vdpbf16ps, bf16dot::decode_dots). With
 //        MHA, bound by the memory's rate: with both threads busy it reads the cache at 80-100% of
 //        a plain sweep; with grouped heads, by compute as much.
-//      - panel (anything else: a huge or non-finite K value, a risky Q or bias, strided rows): the
-//        tile of K is converted into the micro-kernel's panels and S computed with the fused
-//        forward's micro-kernel (same summation order, so these scores are bitwise the fused
-//        forward's), with software prefetch of the next tile.
+//      - panel (anything else: a huge or non-finite K value, a risky Q, a bias with values other
+//        than 0 and -inf, strided rows): the tile of K is converted into the micro-kernel's panels
+//        and S computed with the fused forward's micro-kernel (same summation order, so these
+//        scores are bitwise the fused forward's), with software prefetch of the next tile.
 //      Then per row bias, masks (key_limit), NaN / +inf detection and the N:M selection with
 //      compaction (kernel<T>::compact, the fused forward's code), and the online softmax update.
 //      The direct path sums in another order than the fused forward, so where two scores of a group
@@ -404,7 +404,10 @@ class decode_pass : public kernel<T> {
     const std::int64_t j_begin = chunk * chunk_;
     const std::int64_t j_end = std::min(j_begin + chunk_, tile_end);
     bool q_risky[kDecodeHeadBlock];
-    for (int h = 0; h < n; ++h) q_risky[h] = begin_head(*ws[h], b, hk0 + h, j_begin < j_end);
+    for (int h = 0; h < n; ++h) {
+      q_risky[h] = begin_head(*ws[h], b, hk0 + h, j_begin < j_end);
+      if (!q_risky[h] && p_.bias != nullptr && j_begin < j_end) q_risky[h] = !bias_only_masks(b, hk0 + h, j_begin, j_end);
+    }
     // Software pipeline over the tiles: the V rows a tile kept are prefetched when its selection is
     // known and read one tile later, so the loads of V overlap the next tile's scores (a decode step
     // is bound by memory: without it one thread reached a third of the bandwidth of a plain sweep).
@@ -434,9 +437,28 @@ class decode_pass : public kernel<T> {
     for (int h = 0; h < n; ++h) end_head(*ws[h], (b * p_.heads_kv + hk0 + h) * chunks_ + chunk, parts);
   }
 
+  /// Whether every bias value that the rows of kv head @p hk of batch @p b add to keys [@p j_begin,
+  /// @p j_end) (those below each row's key limit) is 0 or -inf: a mask given as a bias (left
+  /// padding from dfss.transformers, a boolean attn_mask), which masks keys exactly and changes no
+  /// other score, so the direct path's tiles (whose near ties are settled on the scores without the
+  /// bias) select what the fused forward selects. Any other value leaves the task to the panel path.
+  /// Read once per task, as bias_and_mask reads it again per tile.
+  bool bias_only_masks(std::int64_t b, std::int64_t hk, std::int64_t j_begin, std::int64_t j_end) const {
+    for (int r = 0; r < rows_; ++r) {
+      const std::int64_t qi = row_of(r), h = head_of(hk, r);
+      const std::int64_t end = std::min(j_end, this->key_limit(b, qi));
+      const std::int64_t base = b * p_.bias_stride[0] + h * p_.bias_stride[1] + qi * p_.bias_stride[2];
+      for (std::int64_t j = j_begin; j < end; ++j) {
+        const double x = core::load_as_double(p_.bias, p_.bias_type, base + j * p_.bias_stride[3]);
+        if (x != 0.0 && x != -std::numeric_limits<double>::infinity()) return false;
+      }
+    }
+    return true;
+  }
+
   /// A head's rows before its first tile: accumulators and softmax state reset, and (where the
-  /// chunk has keys: @p load) its Q rows loaded. Returns whether Q is risky (a bias, or a row not
-  /// tame): then every tile takes the panel path.
+  /// chunk has keys: @p load) its Q rows loaded. Returns whether Q is risky (a row not tame): then
+  /// every tile takes the panel path (as where the bias is more than a mask: bias_only_masks).
   bool begin_head(decode_workspace& ws, std::int64_t b, std::int64_t hk, bool load) const {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     std::fill(ws.acc.ptr, ws.acc.ptr + static_cast<std::int64_t>(rows_) * dp_, 0.0f);
@@ -445,7 +467,7 @@ class decode_pass : public kernel<T> {
       ws.row_sum.ptr[r] = 0.0f;
       ws.row_nan.ptr[r] = 0;
     }
-    bool q_risky = p_.bias != nullptr;
+    bool q_risky = false;
     if (!load) return q_risky;
     for (int r = 0; r < rows_mk_; ++r) {
       float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
@@ -1526,8 +1548,8 @@ class decode_pass : public kernel<T> {
     int n = kept;  // a local, not the caller's slot count, so that the loops keep it in a register
     if (masked != 0) {
       // Masked slots at the end (keys past a short tile's end or a row's key limit) are cut off by
-      // vectors, then within the last one. A direct tile has no bias, so those are all its masked
-      // slots; any others would be compacted one by one.
+      // vectors, then within the last one. Without a bias those are all of a direct tile's masked
+      // slots; others (a mask given as a bias: bias_only_masks) are compacted one by one.
       n = last < 0 ? 0 : std::min(kept, last + lanes_);
       while (n > 0 && cv[n - 1] == -std::numeric_limits<float>::infinity()) --n;
       if (masked != static_cast<std::size_t>(kept - n)) {

@@ -16,6 +16,9 @@ struct run_options {
   bool want_lse = true;
   dfss::cpu_isa isa = dfss::cpu_isa::automatic;
   dfss::cpu_algorithm algorithm = dfss::cpu_algorithm::fused;
+  /// Element type of the bias in the forward (f64, f32, bf16 or f16; values rounded to it); the
+  /// backward passes it as f64.
+  dtype bias_type = dtype::f64;
   /// What every output element holds before the call. NaN shows an unwritten element wherever a
   /// finite result is expected; a finite poison shows one where NaN is expected.
   double poison = kNaN;
@@ -76,6 +79,9 @@ struct runner {
   const run_options& opt;
   stored<T> q, k, v, dout;
   std::vector<double> bias_store;  // bias kept in f64 (any float type is accepted)
+  std::vector<float> bias_f32;     // the forward's bias in opt.bias_type, where not f64
+  std::vector<half> bias_f16;
+  std::vector<bfloat16> bias_bf16;
   std::vector<std::int64_t> lens, qoff;
   tensor_view bias_view, lens_view, qoff_view;
   attention_config cfg;
@@ -119,7 +125,7 @@ struct runner {
     forward_args a;
     a.q = q.view, a.k = k.view, a.v = v.view, a.out = o.view;
     if (opt.want_lse) a.lse = make_view(lse.data(), {pr.B, pr.H, pr.Lq});
-    a.bias = bias_view;
+    a.bias = forward_bias();
     a.key_lengths = lens_view;
     a.query_offset = qoff_view;
     attention_forward(a, cfg);
@@ -127,6 +133,29 @@ struct runner {
     r.o = o.packed();
     if (opt.want_lse) r.lse = widen(lse);
     return r;
+  }
+
+  /// The bias view of the forward: bias_view, or the bias rounded to opt.bias_type.
+  tensor_view forward_bias() {
+    if (!pr.has_bias || opt.bias_type == dtype::f64) return bias_view;
+    const std::int64_t b = pr.bias_b ? pr.B : 1, h = pr.bias_h ? pr.H : 1;
+    switch (opt.bias_type) {
+      case dtype::f32:
+        bias_f32.clear();
+        for (double x : pr.bias) bias_f32.push_back(static_cast<float>(x));
+        return make_view(bias_f32.data(), {b, h, pr.Lq, pr.Lk});
+      case dtype::f16:
+        bias_f16.clear();
+        for (double x : pr.bias) bias_f16.push_back(from_double<half>(x));
+        return make_view(bias_f16.data(), {b, h, pr.Lq, pr.Lk});
+      case dtype::bf16:
+        bias_bf16.clear();
+        for (double x : pr.bias) bias_bf16.push_back(from_double<bfloat16>(x));
+        return make_view(bias_bf16.data(), {b, h, pr.Lq, pr.Lk});
+      default:
+        ADD_FAILURE() << "run_options::bias_type: f64, f32, f16 or bf16, got " << dtype_name(opt.bias_type);
+        return bias_view;
+    }
   }
 
   backward_result backward() {

@@ -142,6 +142,89 @@ TEST(Cpu, ResultsAreBitwiseIdenticalForAnyThreadCount) {
   }
 }
 
+TEST(Cpu, BiasOfEveryTypeGivesTheBitsOfAnF64Bias) {
+  // A bias in f32, bf16 or f16 with contiguous keys is added by vectors (add_bias_vectors), an f64
+  // one value by value: with values exact in every type (quarters in [-2, 2], and -inf), the same
+  // bits. The fused forward (Lq = 67) and the decode kernel (Lq = 2; its direct path where the bias
+  // is only 0 and -inf, bias_only_masks), causal and not, Lk not a multiple of any vector.
+  std::mt19937_64 rng(test_seed() + 14);
+  std::uniform_int_distribution<int> quarter(-8, 8), pick(0, 6);
+  for (std::int64_t lq : {67, 2}) {
+    for (bool mask_only : {false, true}) {
+      problem pr;
+      pr.B = 2, pr.Lq = lq, pr.Lk = 301, pr.H = 4, pr.Hkv = 2, pr.d = 32;
+      pr.has_bias = pr.bias_b = pr.bias_h = true;
+      fill(pr, rng);
+      for (auto& e : pr.bias) e = pick(rng) == 0 ? -kInf : mask_only ? 0.0 : quarter(rng) / 4.0;
+      for (cpu_isa isa : runnable_isas()) {
+        for (bool causal : {false, true}) {
+          pr.causal = causal;
+          run_options opt;
+          opt.type = dtype::f32;
+          opt.backend = backend::cpu;
+          opt.isa = isa;
+          const auto want = run_forward(pr, opt);
+          for (dtype bt : {dtype::f32, dtype::bf16, dtype::f16}) {
+            opt.bias_type = bt;
+            const auto got = run_forward(pr, opt);
+            const std::string what = pr.describe() + " " + isa_name(isa) + " bias " + dtype_name(bt);
+            EXPECT_EQ(want.o, got.o) << what;
+            EXPECT_EQ(want.lse, got.lse) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Cpu, BiasTilesWithoutMaskedKeys) {
+  // Tiles whose bias row holds no -inf run the blocked P V forms (dense; 1:2 by pairs where the
+  // target has them) like tiles without a bias: a finite bias (small integers: exact scores, so the
+  // selection is the reference's exactly), and a left-padding mask (0, and -inf for the first keys
+  // of batch 0: only its first tiles are masked). Against the fp64 reference, causal and not, fp32,
+  // 1 and 3 threads alike.
+  std::mt19937_64 rng(test_seed() + 15);
+  std::uniform_int_distribution<int> small(-3, 3);
+  for (pattern pat : {pattern{1, 1}, pattern{1, 2}, pattern{2, 4}}) {
+    for (bool left_padding : {false, true}) {
+      for (bool causal : {false, true}) {
+        problem pr;
+        pr.B = 2, pr.Lq = 70, pr.Lk = 600, pr.H = 4, pr.Hkv = 2, pr.d = 32, pr.pat = pat, pr.causal = causal;
+        pr.has_bias = pr.bias_b = pr.bias_h = true;
+        fill(pr, rng, /*integers=*/true);
+        for (std::size_t x = 0; x < pr.bias.size(); ++x) {
+          const std::int64_t b = static_cast<std::int64_t>(x) / (pr.H * pr.Lq * pr.Lk), j = static_cast<std::int64_t>(x) % pr.Lk;
+          pr.bias[x] = left_padding ? (b == 0 && j < 150 ? -kInf : 0.0) : small(rng);
+        }
+        const auto want = run_forward(pr);
+        for (cpu_isa isa : runnable_isas()) {
+          run_options opt;
+          opt.isa = isa;
+          opt.type = dtype::f32;
+          opt.out_type = dtype::f32;
+          opt.backend = backend::cpu;
+          opt.threads = 1;
+          const auto got = run_forward(pr, opt);
+          const std::string what = pr.describe() + " " + isa_name(isa);
+          double err = 0;
+          for (std::size_t x = 0; x < got.o.size(); ++x) {
+            ASSERT_TRUE(std::isfinite(got.o[x])) << what << " at " << x;
+            err = std::max(err, std::abs(got.o[x] - want.o[x]));
+          }
+          EXPECT_LE(err, output_tol(pr, dtype::f32, false)) << what;
+          for (std::size_t x = 0; x < got.lse.size(); ++x) {
+            EXPECT_NEAR(got.lse[x], want.lse[x], (16.0 + static_cast<double>(pr.Lk)) * kEps32 * (1 + std::abs(want.lse[x])))
+                << what;
+          }
+          opt.threads = 3;
+          const auto many = run_forward(pr, opt);
+          EXPECT_EQ(got.o, many.o) << what;
+        }
+      }
+    }
+  }
+}
+
 TEST(Cpu, EmptyRowsAndNaN) {
   std::mt19937_64 rng(test_seed() + 14);
   problem pr;

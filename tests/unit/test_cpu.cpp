@@ -474,19 +474,28 @@ TEST(Cpu, AmxKeepsTheFp32Selection) {
   // sums' rounding. V = I (d >= Lk) makes O's row i P_i itself: nonzero exactly at the kept keys.
   // Lq = 40: a task of 32 rows (two row tiles) and one of 8; Lk = 120: a last partial panel.
   // Each pattern also with a causal mask and a key length of 117 (groups cut by the mask: -inf
-  // among near scores), and with sink and recent windows (tiles with groups kept whole).
+  // among near scores), with sink and recent windows (tiles with groups kept whole), and with a
+  // mask given as a bias (0 and -inf: it keeps the AMX tiles; -inf among near scores).
   const auto isas = runnable_isas();
   const auto runs = [&](cpu_isa isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
   if (!runs(cpu_isa::avx2) || !runs(cpu_isa::avx3)) GTEST_SKIP() << "this CPU runs avx2 or avx3 not";
   std::mt19937_64 rng(test_seed() + 21);
   std::uniform_real_distribution<double> u(0.5, 1.5);
   std::uniform_int_distribution<int> n128(0, 127);
-  for (int variant = 0; variant < 9; ++variant) {
+  for (int variant = 0; variant < 12; ++variant) {
     const pattern pat = std::array{pattern{1, 2}, pattern{2, 4}, pattern{3, 8}}[static_cast<std::size_t>(variant % 3)];
     problem pr;
     pr.B = 1, pr.Lq = 40, pr.Lk = 120, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
     if (variant / 3 == 1) pr.causal = true, pr.key_lengths = {117};
     if (variant / 3 == 2) pr.sink = 5, pr.recent = 9;
+    if (variant / 3 == 3) {
+      pr.has_bias = true;  // [1, 1, Lq, Lk]: the first 10 keys and every 7th masked
+      pr.bias.assign(static_cast<std::size_t>(pr.bias_numel()), 0.0);
+      for (std::size_t e = 0; e < pr.bias.size(); ++e) {
+        const std::int64_t j = static_cast<std::int64_t>(e) % pr.Lk;
+        if (j < 10 || j % 7 == 3) pr.bias[e] = -kInf;
+      }
+    }
     pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
     pr.k.resize(static_cast<std::size_t>(pr.kv_numel()));
     pr.v.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
@@ -507,6 +516,45 @@ TEST(Cpu, AmxKeepsTheFp32Selection) {
     int differ = 0;
     for (std::size_t e = 0; e < got.o.size(); ++e) differ += (got.o[e] > 0.0) != (fp32.o[e] > 0.0);
     EXPECT_EQ(differ, 0) << pr.describe();
+  }
+}
+
+TEST(Cpu, AmxWithAMaskGivenAsABias) {
+  // A bias of 0 and -inf only keeps the AMX tiles (uses_amx, bias_masks_): -inf from each
+  // sequence's length on gives the bits that those key lengths give without a bias (AMX both; the
+  // fp32 micro-kernel, where a bias sent it before, rounds otherwise). Lengths of whole key tiles,
+  // so that both compute the same tiles; random inputs, dense, 1:2 and 2:4, causal and not.
+  const auto isas = runnable_isas();
+  if (std::find(isas.begin(), isas.end(), cpu_isa::avx3) == isas.end() || !avx3_scores_on_amx()) {
+    GTEST_SKIP() << "the avx3 forward scores on AMX tiles only on a CPU with AMX (and DFSS_CPU_AMX not 0)";
+  }
+  std::mt19937_64 rng(test_seed() + 22);
+  for (pattern pat : {pattern{1, 1}, pattern{1, 2}, pattern{2, 4}}) {
+    for (bool causal : {false, true}) {
+      problem with_lengths;
+      with_lengths.B = 2, with_lengths.Lq = 40, with_lengths.Lk = 700, with_lengths.H = 4, with_lengths.Hkv = 2;
+      with_lengths.d = 64, with_lengths.pat = pat, with_lengths.causal = causal;
+      fill(with_lengths, rng);
+      with_lengths = rounded_to_bf16(with_lengths);
+      problem with_bias = with_lengths;
+      with_lengths.key_lengths = {512, 256};
+      with_bias.has_bias = with_bias.bias_b = true;
+      with_bias.bias.assign(static_cast<std::size_t>(with_bias.bias_numel()), 0.0);
+      for (std::size_t e = 0; e < with_bias.bias.size(); ++e) {
+        const std::int64_t b = static_cast<std::int64_t>(e) / (with_bias.Lq * with_bias.Lk);
+        if (static_cast<std::int64_t>(e) % with_bias.Lk >= with_lengths.key_lengths[static_cast<std::size_t>(b)]) {
+          with_bias.bias[e] = -kInf;
+        }
+      }
+      if (causal) {
+        // Bottom-right causal rows against the lengths: the same positions with the bias's Lk.
+        with_lengths.query_offset = with_bias.query_offset = {512 - 40, 256 - 40};
+      }
+      const auto want = run_forward(with_lengths, bf16_options(cpu_isa::avx3, 2));
+      const auto got = run_forward(with_bias, bf16_options(cpu_isa::avx3, 2));
+      EXPECT_EQ(want.o, got.o) << with_bias.describe();
+      EXPECT_EQ(want.lse, got.lse) << with_bias.describe();
+    }
   }
 }
 

@@ -1,7 +1,8 @@
 """What a mask given as a bias costs: dfss.attention with and without a key mask (left padding, as
 dfss.transformers passes it: bool [B, 1, 1, Lk], -inf at the first keys of batch 0), calls
 alternating in one process, medians, the masked / unmasked ratio. Causal prefill (B = 1, H = 12,
-d = 64) and decode (B = 2, one query row, d = 128, MHA 32:32 and GQA 32:8), fp32, random inputs.
+d = 64; fp32 and bf16) and decode (B = 2, one query row, d = 128, MHA 32:32 and GQA 32:8; fp32),
+random inputs.
 
     PYTHONPATH=build-cpu/tests/python/work-torch2/site ~/.cache/dfss/torch2-venv/bin/python \\
         tools/bench/mask_bias.py [--rounds 11] [--pad 100]
@@ -43,14 +44,15 @@ def main():
     torch.manual_seed(0)
     print("| case | pattern | no mask (ms) | key mask (ms) | masked / unmasked |")
     print("|---|---|---|---|---|")
-    for length in (1024, 2048):
-        q, k, v = (torch.randn(1, 12, length, 64) for _ in range(3))
-        mask = key_mask(1, length, args.pad)
-        for pattern in ("dense", "2:4"):
-            plain, masked = timed(lambda m: dfss.attention(q, k, v, attn_mask=mask if m else None, pattern=pattern,
-                                                           is_causal=True), args.rounds)
-            print(f"| causal prefill L = {length} | {pattern} | {plain * 1e3:.2f} | {masked * 1e3:.2f} | "
-                  f"{masked / plain:.2f}x |", flush=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        for length in (1024, 2048):
+            q, k, v = (torch.randn(1, 12, length, 64).to(dtype) for _ in range(3))
+            mask = key_mask(1, length, args.pad)
+            for pattern in ("dense", "2:4"):
+                plain, masked = timed(lambda m: dfss.attention(q, k, v, attn_mask=mask if m else None,
+                                                               pattern=pattern, is_causal=True), args.rounds)
+                print(f"| causal prefill {str(dtype)[6:]} L = {length} | {pattern} | {plain * 1e3:.2f} | "
+                      f"{masked * 1e3:.2f} | {masked / plain:.2f}x |", flush=True)
     for heads, heads_kv in ((32, 32), (32, 8)):
         for keys in (4096, 16384):
             q = torch.randn(2, heads, 1, 128)

@@ -448,42 +448,11 @@ class decode_pass : public kernel<T> {
       const std::int64_t qi = row_of(r), h = head_of(hk, r);
       const std::int64_t end = std::min(j_end, this->key_limit(b, qi));
       const std::int64_t base = b * p_.bias_stride[0] + h * p_.bias_stride[1] + qi * p_.bias_stride[2];
-      std::int64_t j = j_begin;
-      if (p_.bias_stride[3] == 1) {
-        // By vectors of the values' bits (+0, -0 and -inf are three patterns per type): value by
-        // value, the type switch of load_as_double made the check a tenth of a masked GQA step.
-        if (p_.bias_type == dtype::f32) {
-          if (!mask_bits<std::uint32_t>(base, j, end, 0x7f800000u | 0x80000000u)) return false;
-        } else if (p_.bias_type == dtype::bf16) {
-          if (!mask_bits<std::uint16_t>(base, j, end, 0xff80u)) return false;
-        } else if (p_.bias_type == dtype::f16) {
-          if (!mask_bits<std::uint16_t>(base, j, end, 0xfc00u)) return false;
-        }
-      }
-      for (; j < end; ++j) {
-        const double x = core::load_as_double(p_.bias, p_.bias_type, base + j * p_.bias_stride[3]);
-        if (x != 0.0 && x != -std::numeric_limits<double>::infinity()) return false;
+      if (end > j_begin && !bias_run_only_masks(p_, base + j_begin * p_.bias_stride[3], end - j_begin, p_.bias_stride[3])) {
+        return false;
       }
     }
     return true;
-  }
-
-  /// Whether the bias elements [@p j, @p end) from element @p base (contiguous, U the unsigned
-  /// integer of their width) are all +0, -0 or -inf (bits @p neg_inf), by whole vectors: @p j is
-  /// left at the first element not checked.
-  template <typename U>
-  bool mask_bits(std::int64_t base, std::int64_t& j, std::int64_t end, U neg_inf) const {
-    const hn::Repartition<U, DF> du;
-    const std::int64_t n = static_cast<std::int64_t>(hn::Lanes(du));
-    const U* src = static_cast<const U*>(p_.bias) + base;
-    const auto sign = hn::Set(du, static_cast<U>(U{1} << (sizeof(U) * 8 - 1)));
-    const auto inf = hn::Set(du, neg_inf);
-    auto ok = hn::Eq(hn::Zero(du), hn::Zero(du));
-    for (; j + n <= end; j += n) {
-      const auto x = hn::LoadU(du, src + j);
-      ok = hn::And(ok, hn::Or(hn::Eq(hn::AndNot(sign, x), hn::Zero(du)), hn::Eq(x, inf)));
-    }
-    return hn::AllTrue(du, ok);
   }
 
   /// A head's rows before its first tile: accumulators and softmax state reset, and (where the

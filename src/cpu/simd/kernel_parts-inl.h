@@ -665,6 +665,62 @@ HWY_INLINE VF promote_f16(DH dh, const hwy::float16_t* HWY_RESTRICT src) {
 #endif
 }
 
+/// Whether the @p n contiguous bias elements of type U (the unsigned integer of their width) at
+/// @p src are all +0, -0 or -inf (bits @p neg_inf), by whole vectors; @p j (from 0) is left at the
+/// first element not checked.
+template <typename U>
+HWY_INLINE bool mask_bits(const U* HWY_RESTRICT src, std::int64_t& j, std::int64_t n, U neg_inf) {
+  const hn::Repartition<U, DF> du;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(du));
+  const auto sign = hn::Set(du, static_cast<U>(U{1} << (sizeof(U) * 8 - 1)));
+  const auto inf = hn::Set(du, neg_inf);
+  auto ok = hn::Eq(hn::Zero(du), hn::Zero(du));
+  for (; j + lanes <= n; j += lanes) {
+    const auto x = hn::LoadU(du, src + j);
+    ok = hn::And(ok, hn::Or(hn::Eq(hn::AndNot(sign, x), hn::Zero(du)), hn::Eq(x, inf)));
+  }
+  return hn::AllTrue(du, ok);
+}
+
+/// Whether the @p n bias values of @p p from element @p at, @p stride apart, are all 0 or -inf: a
+/// mask given as a bias (left padding, a boolean attn_mask), which masks keys exactly and moves no
+/// other score. Contiguous f32, bf16 and f16 values by vectors of their bits (value by value, the
+/// type switch of load_as_double made the check a tenth of a masked GQA decode step).
+inline bool bias_run_only_masks(const attention_params& p, std::int64_t at, std::int64_t n, std::int64_t stride) {
+  std::int64_t j = 0;
+  if (stride == 1) {
+    if (p.bias_type == dtype::f32) {
+      if (!mask_bits<std::uint32_t>(static_cast<const std::uint32_t*>(p.bias) + at, j, n, 0xff800000u)) return false;
+    } else if (p.bias_type == dtype::bf16) {
+      if (!mask_bits<std::uint16_t>(static_cast<const std::uint16_t*>(p.bias) + at, j, n, 0xff80u)) return false;
+    } else if (p.bias_type == dtype::f16) {
+      if (!mask_bits<std::uint16_t>(static_cast<const std::uint16_t*>(p.bias) + at, j, n, 0xfc00u)) return false;
+    }
+  }
+  for (; j < n; ++j) {
+    const double x = core::load_as_double(p.bias, p.bias_type, at + j * stride);
+    if (x != 0.0 && x != -std::numeric_limits<double>::infinity()) return false;
+  }
+  return true;
+}
+
+/// Whether the whole bias of @p p (each element once: broadcast dimensions, stride 0, read at index
+/// 0) is 0 and -inf only (bias_run_only_masks). False without a bias.
+inline bool bias_only_masks(const attention_params& p) {
+  if (p.bias == nullptr) return false;
+  const std::int64_t* st = p.bias_stride;
+  const std::int64_t nb = st[0] == 0 ? 1 : p.batch, nh = st[1] == 0 ? 1 : p.heads, nq = st[2] == 0 ? 1 : p.seqlen_q;
+  const std::int64_t nk = st[3] == 0 ? 1 : p.seqlen_k;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    for (std::int64_t h = 0; h < nh; ++h) {
+      for (std::int64_t i = 0; i < nq; ++i) {
+        if (!bias_run_only_masks(p, b * st[0] + h * st[1] + i * st[2], nk, st[3])) return false;
+      }
+    }
+  }
+  return true;
+}
+
 /// Shared state and code of the forward and backward of one call, for input element type T.
 template <typename T>
 struct kernel {

@@ -146,7 +146,7 @@ def main():
                       "rounds: L=%d %s %s: the medians of the rounds (ms %r of %r, vs SDPA %r of %r)"
                       % (r["L"], r["pattern"], r["algorithm"], r["ms_median"], ms, r["speedup_vs_sdpa"], vs))
     for bad, why, says in ((["--rounds", "0"], "rounds 0", "expected a count >= 1, got 0"),
-                           (["--decode", "--rounds", "2"], "rounds with --decode", "cannot be combined"),
+                           (["--decode", "--rounds", "0"], "rounds 0 with --decode", "expected a count >= 1, got 0"),
                            (["--memory", "--rounds", "2"], "rounds with --memory", "cannot be combined")):
         p = run(exe, common + ["--no-torch"] + bad)
         check(p.returncode == 2 and "--rounds" in p.stderr and says in p.stderr,
@@ -184,6 +184,38 @@ def main():
                   "decode: %s against the cache sweep, max err %r" % (what, r["max_err"]))
         check("pass over the cache's own K and V" in p.stdout, "decode: the notes say the sweep reads the cache's own K and V")
         check("one random row of every two of V" in p.stdout, "decode: the notes say what the half sweep reads")
+
+    # --decode --rounds 3: every row's times and ratios the medians of its three rounds', listed per
+    # round in the JSON and the notes; the yardstick keeps no ratios.
+    out = os.path.join(tmp, "decode_rounds.json")
+    p = run(exe, ["--decode", "--lengths", "70", "--decode-heads", "4:2", "--decode-dtypes", "f32",
+                  "--patterns", "dense,1:2", "--iters", "2", "--threads", "2", "--no-torch", "--rounds", "3",
+                  "--json", out])
+    check(p.returncode == 0, "decode rounds: exit status 0 (got %d: %s)" % (p.returncode, p.stderr[-300:]))
+    if p.returncode == 0:
+        repro = [l for l in p.stdout.splitlines() if l.startswith("repro: ")]
+        check(len(repro) == 1 and " --rounds 3 " in repro[0], "decode rounds: in the repro line (got %r)" % (repro,))
+        check("per round (rounds 1..3), % of bw / vs dense / vs SDPA:" in p.stdout,
+              "decode rounds: the notes list the per-round ratios")
+        j = json.load(open(out))
+        check(j["rounds"] == 3, "decode rounds: JSON rounds (got %r)" % j.get("rounds"))
+        by_row = {r["row"]: r for r in j["rows"]}
+        for what in ("dfss dense", "dfss 1:2", "memory sweep, K + half V"):
+            r = by_row.get(what, {})
+            ms, bw = r.get("rounds_ms_median", []), r.get("rounds_fraction_of_bandwidth", [])
+            check(len(ms) == 3 and len(bw) == 3 and math.isclose(r["ms_median"], sorted(ms)[1], rel_tol=1e-12) and
+                  math.isclose(r["fraction_of_bandwidth"], sorted(bw)[1], rel_tol=1e-12),
+                  "decode rounds: %s: the medians of the rounds (ms %r of %r, %% of bw %r of %r)"
+                  % (what, r.get("ms_median"), ms, r.get("fraction_of_bandwidth"), bw))
+        dense, sparse = by_row.get("dfss dense", {}), by_row.get("dfss 1:2", {})
+        if len(dense.get("rounds_ms_median", [])) == 3 and len(sparse.get("rounds_vs_dense", [])) == 3:
+            want = [a / b for a, b in zip(dense["rounds_ms_median"], sparse["rounds_ms_median"])]
+            check(all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(sparse["rounds_vs_dense"], want)) and
+                  math.isclose(sparse["vs_dense"], sorted(want)[1], rel_tol=1e-9),
+                  "decode rounds: 1:2 vs dense per round is that round's dense / 1:2 (got %r, want %r)"
+                  % (sparse["rounds_vs_dense"], want))
+        check(by_row.get("memory sweep", {}).get("fraction_of_bandwidth", 0) is None,
+              "decode rounds: the cache sweep is the yardstick (no ratios)")
 
     # --decode without --lengths and --head-dim: its own defaults (4096,16384,65536 and 128), told
     # apart from given values while the parser lived.

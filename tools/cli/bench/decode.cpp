@@ -7,6 +7,10 @@
 // with the dfss rows of the configuration so that it sees the same machine, every timed call after
 // a read of kFlushBytes elsewhere so that each one reads the cache from memory.
 //
+// --rounds R repeats the whole sweep (every configuration, then the SDPA child) R times and reports
+// the median of each row's round medians and of each of its per-round ratios, as the forward's
+// --rounds does.
+//
 // The cache is laid out [B, Hkv, Lk, d] (Hugging Face's KV cache, SDPA's layout); dfss reads it
 // through strided [B, Lk, Hkv, d] views, no copy. The causal flag is set (bottom-right: a no-op for
 // Lq = 1, the draft rows of speculative decoding for Lq > 1); SDPA gets is_causal=False for Lq = 1 and
@@ -72,6 +76,8 @@ struct decode_row {
   stats ms;
   int iters = 0;
   double gbs = kNaN, of_bandwidth = kNaN, vs_sdpa = kNaN, vs_dense = kNaN, max_err = kNaN;
+  /// With --rounds: each round's median and ratios (the row's own are their medians).
+  std::vector<double> round_ms, round_of_bandwidth, round_vs_sdpa, round_vs_dense;
 };
 
 /// "H:Hkv" -> (H, Hkv).
@@ -424,6 +430,87 @@ std::string fmt_err(double x) {
   return buf;
 }
 
+/// The ratios within each configuration of one round's @p rows: against its memory sweep (the
+/// other buffer's sweep too, which shows how far another part of memory reads apart), SDPA and dfss
+/// dense.
+void set_ratios(std::vector<decode_row>& rows) {
+  for (decode_row& r : rows) {
+    if (!r.ok) continue;
+    if (r.what == kSweepRow) continue;  // the yardstick itself: no ratios
+    for (const decode_row& o : rows) {
+      if (!o.ok || !same_config(o.c, r.c)) continue;
+      if (o.what == kSweepRow) r.of_bandwidth = r.gbs / o.gbs;
+      if (is_sweep_row(r.what)) continue;  // a yardstick too: no ratios but to the cache's sweep
+      if (o.what.rfind("torch", 0) == 0) r.vs_sdpa = o.ms.median / r.ms.median;
+      if (o.what == "dfss dense") r.vs_dense = o.ms.median / r.ms.median;
+    }
+  }
+}
+
+double median_of_rounds(std::vector<double> v) {
+  if (v.empty() || std::any_of(v.begin(), v.end(), [](double x) { return std::isnan(x); })) return kNaN;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// One row per configuration and row from the rounds (the first round's order and errors), as
+/// `dfss bench --rounds` merges the forward's: each time the median of the rounds' medians (GB/s
+/// from it), min and max over all rounds, each ratio the median of the per-round ratios. A row
+/// that failed in some round is reported as failed. @p notes gets a line per dfss row with its
+/// per-round % of bw, vs dense and vs SDPA.
+std::vector<decode_row> merge_decode_rounds(const std::vector<std::vector<decode_row>>& rounds,
+                                            std::vector<std::string>& notes) {
+  std::vector<decode_row> out = rounds.at(0);
+  if (rounds.size() == 1) return out;
+  notes.push_back("per round (rounds 1.." + std::to_string(rounds.size()) + "), % of bw / vs dense / vs SDPA:");
+  for (decode_row& r : out) {
+    std::vector<const decode_row*> all;
+    for (const auto& round : rounds) {
+      for (const decode_row& x : round) {
+        if (same_config(x.c, r.c) && x.what == r.what) all.push_back(&x);
+      }
+    }
+    const bool every = all.size() == rounds.size() &&
+                       std::all_of(all.begin(), all.end(), [](const decode_row* x) { return x->ok; });
+    if (!every) {
+      if (r.ok) {
+        r.ok = false;
+        r.reason = "failed in some round";
+      }
+      continue;
+    }
+    r.iters = 0;
+    for (const decode_row* x : all) {
+      r.round_ms.push_back(x->ms.median);
+      r.round_of_bandwidth.push_back(x->of_bandwidth);
+      r.round_vs_sdpa.push_back(x->vs_sdpa);
+      r.round_vs_dense.push_back(x->vs_dense);
+      r.ms.min = std::min(r.ms.min, x->ms.min);
+      r.ms.max = std::max(r.ms.max, x->ms.max);
+      r.iters += x->iters;
+    }
+    const double old_median = r.ms.median;
+    r.ms.median = median_of_rounds(r.round_ms);
+    r.gbs *= old_median / r.ms.median;
+    r.of_bandwidth = median_of_rounds(r.round_of_bandwidth);
+    r.vs_sdpa = median_of_rounds(r.round_vs_sdpa);
+    r.vs_dense = median_of_rounds(r.round_vs_dense);
+    if (r.what.rfind("dfss", 0) == 0) {
+      std::string line = "  Lk=" + std::to_string(r.c.lk) + " " + std::to_string(r.c.heads) + ":" +
+                         std::to_string(r.c.heads_kv) + " " + r.c.dtype + " " + r.what + ":";
+      for (std::size_t k = 0; k < all.size(); ++k) {
+        char buf[96];
+        std::snprintf(buf, sizeof buf, "%s %.0f%% / %.2fx / %.2fx", k == 0 ? "" : ",", 100.0 * r.round_of_bandwidth[k],
+                      r.round_vs_dense[k], r.round_vs_sdpa[k]);
+        line += buf;
+      }
+      notes.push_back(line);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 int run_decode() {
@@ -451,37 +538,37 @@ int run_decode() {
       "%d threads, median of %d calls (round-robin with the memory sweep, each after a 128 MiB read elsewhere)\n",
       g_opt.batch, g_opt.query_rows, g_opt.head_dim,
       g_opt.cache_layout == "blhd" ? "[B, Lk, Hkv, d]" : "[B, Hkv, Lk, d]", g_opt.threads, g_opt.iters);
+  if (g_opt.rounds > 1) {
+    std::printf(
+        "rounds: %d (the whole sweep repeated: a row's times are the median of its rounds' medians, the min and max "
+        "over all rounds; %% of bw, vs SDPA and vs dense the median of the per-round ratios; errors of round 1)\n",
+        g_opt.rounds);
+  }
   std::printf("load average at start: %s\n", load_average().c_str());
   std::printf("repro: dfss bench --decode --lengths %s --decode-heads %s --decode-dtypes %s --patterns %s "
-              "--query-rows %lld --batch %lld --head-dim %lld --cache-layout %s --threads %d --iters %d --seed %llu --isa "
-              "%s%s\n\n",
+              "--query-rows %lld --batch %lld --head-dim %lld --cache-layout %s --threads %d --iters %d --rounds %d "
+              "--seed %llu --isa %s%s\n\n",
               join(g_opt.lengths).c_str(), join(g_opt.decode_heads).c_str(), join(g_opt.decode_dtypes).c_str(),
               join(g_opt.patterns).c_str(), g_opt.query_rows, g_opt.batch, g_opt.head_dim, g_opt.cache_layout.c_str(),
               g_opt.threads,
-              g_opt.iters, g_opt.seed, g_opt.isas.at(0).c_str(), g_opt.no_torch ? " --no-torch" : "");
+              g_opt.iters, g_opt.rounds, g_opt.seed, g_opt.isas.at(0).c_str(), g_opt.no_torch ? " --no-torch" : "");
   std::fflush(stdout);
   g_progress.enable(g_opt.progress || isatty(STDERR_FILENO) != 0, isatty(STDERR_FILENO) != 0);
-  g_progress.add_rows(static_cast<int>(configs.size() * (g_opt.patterns.size() + 1)) + (g_opt.no_torch ? 0 : 1));
+  g_progress.add_rows(g_opt.rounds *
+                      (static_cast<int>(configs.size() * (g_opt.patterns.size() + 1)) + (g_opt.no_torch ? 0 : 1)));
 
-  std::vector<decode_row> rows;
+  // --rounds R: the whole sweep (every configuration, then the SDPA child) R times; the host moves
+  // a single sweep's ratios by more than the kernels' margins over the bars.
+  std::vector<std::vector<decode_row>> rounds(static_cast<std::size_t>(g_opt.rounds));
   std::vector<std::string> notes;
-  for (const auto& c : configs) bench_decode_config(c, rows);
-  if (!g_opt.no_torch) bench_decode_torch(configs, rows, notes);
-  g_progress.done();
-
-  // Ratios within each configuration: against its memory sweep (the other buffer's sweep too, which
-  // shows how far another part of memory reads apart), SDPA and dfss dense.
-  for (decode_row& r : rows) {
-    if (!r.ok) continue;
-    if (r.what == kSweepRow) continue;  // the yardstick itself: no ratios
-    for (const decode_row& o : rows) {
-      if (!o.ok || !same_config(o.c, r.c)) continue;
-      if (o.what == kSweepRow) r.of_bandwidth = r.gbs / o.gbs;
-      if (is_sweep_row(r.what)) continue;  // a yardstick too: no ratios but to the cache's sweep
-      if (o.what.rfind("torch", 0) == 0) r.vs_sdpa = o.ms.median / r.ms.median;
-      if (o.what == "dfss dense") r.vs_dense = o.ms.median / r.ms.median;
-    }
+  for (std::size_t k = 0; k < rounds.size(); ++k) {
+    std::vector<std::string> round_notes;  // the SDPA child's command: told once, from round 1
+    for (const auto& c : configs) bench_decode_config(c, rounds[k]);
+    if (!g_opt.no_torch) bench_decode_torch(configs, rounds[k], k == 0 ? notes : round_notes);
+    set_ratios(rounds[k]);
   }
+  g_progress.done();
+  std::vector<decode_row> rows = merge_decode_rounds(rounds, notes);
   std::stable_sort(rows.begin(), rows.end(), [&](const decode_row& x, const decode_row& y) {
     const auto index = [&](const decode_config& c) {
       for (std::size_t i = 0; i < configs.size(); ++i)
@@ -522,6 +609,7 @@ int run_decode() {
     j["batch"] = g_opt.batch;
     j["query_rows"] = g_opt.query_rows;
     j["head_dim"] = g_opt.head_dim;
+    j["rounds"] = g_opt.rounds;
     j["notes"] = notes;
     j["rows"] = json::array();
     for (const decode_row& r : rows) {
@@ -530,6 +618,12 @@ int run_decode() {
                            {"iters", r.iters}, {"ms_median", r.ms.median}, {"ms_min", r.ms.min},
                            {"ms_max", r.ms.max}, {"gbs", r.gbs}, {"fraction_of_bandwidth", r.of_bandwidth},
                            {"vs_sdpa", r.vs_sdpa}, {"vs_dense", r.vs_dense}, {"max_err", r.max_err}});
+      if (!r.round_ms.empty()) {
+        j["rows"].back()["rounds_ms_median"] = r.round_ms;
+        j["rows"].back()["rounds_fraction_of_bandwidth"] = r.round_of_bandwidth;
+        j["rows"].back()["rounds_vs_sdpa"] = r.round_vs_sdpa;
+        j["rows"].back()["rounds_vs_dense"] = r.round_vs_dense;
+      }
     }
     const std::string text = j.dump(2) + "\n";  // non-finite numbers are written as null
     try {

@@ -66,8 +66,8 @@ class forward_pass : public kernel<T> {
   /// other bias could reorder a group by less than that; a mask moves no score it compares), a
   /// padded head dim of whole tile steps, on a CPU with AMX. Per task only where the task's scores
   /// cannot overflow (not ws.risky); the others take the fp32 micro-kernel. With a left-padding
-  /// key mask, a bf16 causal prefill without AMX took 1.6-2.5x the time of one without the mask
-  /// (L = 1024 and 2048, d = 64, 12 heads, 2 threads).
+  /// key mask, a bf16 causal prefill without AMX took 1.6-2.3x the time of one without the mask
+  /// (1.1x with it; tools/bench/mask_bias.py, L = 1024 and 2048, d = 64, 12 heads, 2 threads).
   static bool uses_amx(const attention_params& p, bool dot, int dp, bool bias_masks) {
     return DFSS_SIMD_AMX && std::is_same_v<T, bfloat16> && !dot && (p.bias == nullptr || bias_masks) &&
            dp % (2 * amx::kPairs) == 0 && core::cpu_uses_amx();

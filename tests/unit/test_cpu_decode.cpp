@@ -328,7 +328,7 @@ TEST(CpuDecode, MaskGivenAsABiasKeepsTheDirectPath) {
 TEST(CpuDecode, MaskGivenAsABiasMatchesReference) {
   // Left padding (the first keys of a sequence masked), holes, and a sequence with every key masked
   // (O = 0, LSE = -inf), as a bias of 0 and -inf, with 2 causal draft rows; every pattern, against the
-  // fp64 reference on small integers; then one finite bias value in batch 0 (its tasks take the
+  // fp64 reference on small integers; then one finite bias value in batch 0 (the call takes the
   // panel path) too.
   std::mt19937_64 rng(test_seed() + 108);
   for (pattern pat : kPatterns) {

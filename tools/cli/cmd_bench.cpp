@@ -61,12 +61,6 @@ std::string row_key(const row& r) {
          "|" + r.dtype;
 }
 
-double median_of(std::vector<double> v) {
-  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return std::isnan(x); }), v.end());
-  if (v.empty()) return kNaN;
-  return summarize(std::move(v)).median;
-}
-
 /// The ratios of one round's rows: speedup against dfss dense fused (the first ISA listed) of the
 /// same shape, and against the SDPA row @p sdpa_peer of the same L and input type.
 void derive_ratios(std::vector<row>& rows, const std::string& sdpa_peer) {

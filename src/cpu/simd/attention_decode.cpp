@@ -298,7 +298,8 @@ class decode_pass : public kernel<T> {
         direct_(!HWY_HAVE_SCALABLE && d_ % lanes_ == 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1),
         dot_(DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16> && direct_ && d_ % 32 == 0),
         pairs_(std::is_same_v<T, bfloat16> && direct_ && !dot_ && (d_ / lanes_) % 2 == 0),
-        interleaved_(heads_interleaved(p)) {}
+        interleaved_(heads_interleaved(p)),
+        bias_masks_(bias_only_masks(p)) {}
 
   void run() const {
     const std::int64_t pairs = p_.batch * p_.heads_kv;
@@ -404,10 +405,7 @@ class decode_pass : public kernel<T> {
     const std::int64_t j_begin = chunk * chunk_;
     const std::int64_t j_end = std::min(j_begin + chunk_, tile_end);
     bool q_risky[kDecodeHeadBlock];
-    for (int h = 0; h < n; ++h) {
-      q_risky[h] = begin_head(*ws[h], b, hk0 + h, j_begin < j_end);
-      if (!q_risky[h] && p_.bias != nullptr && j_begin < j_end) q_risky[h] = !bias_only_masks(b, hk0 + h, j_begin, j_end);
-    }
+    for (int h = 0; h < n; ++h) q_risky[h] = begin_head(*ws[h], b, hk0 + h, j_begin < j_end);
     // Software pipeline over the tiles: the V rows a tile kept are prefetched when its selection is
     // known and read one tile later, so the loads of V overlap the next tile's scores (a decode step
     // is bound by memory: without it one thread reached a third of the bandwidth of a plain sweep).
@@ -437,27 +435,13 @@ class decode_pass : public kernel<T> {
     for (int h = 0; h < n; ++h) end_head(*ws[h], (b * p_.heads_kv + hk0 + h) * chunks_ + chunk, parts);
   }
 
-  /// Whether every bias value that the rows of kv head @p hk of batch @p b add to keys [@p j_begin,
-  /// @p j_end) (those below each row's key limit) is 0 or -inf: a mask given as a bias (left
-  /// padding from dfss.transformers, a boolean attn_mask), which masks keys exactly and changes no
-  /// other score, so the direct path's tiles (whose near ties are settled on the scores without the
-  /// bias) select what the fused forward selects. Any other value leaves the task to the panel path.
-  /// Read once per task, as bias_and_mask reads it again per tile.
-  bool bias_only_masks(std::int64_t b, std::int64_t hk, std::int64_t j_begin, std::int64_t j_end) const {
-    for (int r = 0; r < rows_; ++r) {
-      const std::int64_t qi = row_of(r), h = head_of(hk, r);
-      const std::int64_t end = std::min(j_end, this->key_limit(b, qi));
-      const std::int64_t base = b * p_.bias_stride[0] + h * p_.bias_stride[1] + qi * p_.bias_stride[2];
-      if (end > j_begin && !bias_run_only_masks(p_, base + j_begin * p_.bias_stride[3], end - j_begin, p_.bias_stride[3])) {
-        return false;
-      }
-    }
-    return true;
-  }
-
   /// A head's rows before its first tile: accumulators and softmax state reset, and (where the
-  /// chunk has keys: @p load) its Q rows loaded. Returns whether Q is risky (a row not tame): then
-  /// every tile takes the panel path (as where the bias is more than a mask: bias_only_masks).
+  /// chunk has keys: @p load) its Q rows loaded. Returns whether Q is risky (a bias with values
+  /// other than 0 and -inf, or a row not tame): then every tile takes the panel path. A bias of 0
+  /// and -inf only (a mask given as a bias: left padding from dfss.transformers, a boolean
+  /// attn_mask; bias_only_masks, checked once per call) masks keys exactly and changes no other
+  /// score, so the direct path's tiles (whose near ties are settled on the scores without the
+  /// bias) select what the fused forward selects.
   bool begin_head(decode_workspace& ws, std::int64_t b, std::int64_t hk, bool load) const {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     std::fill(ws.acc.ptr, ws.acc.ptr + static_cast<std::int64_t>(rows_) * dp_, 0.0f);
@@ -466,7 +450,7 @@ class decode_pass : public kernel<T> {
       ws.row_sum.ptr[r] = 0.0f;
       ws.row_nan.ptr[r] = 0;
     }
-    bool q_risky = false;
+    bool q_risky = p_.bias != nullptr && !bias_masks_;
     if (!load) return q_risky;
     for (int r = 0; r < rows_mk_; ++r) {
       float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
@@ -1605,6 +1589,8 @@ class decode_pass : public kernel<T> {
   const bool pairs_;
   /// The kv heads are interleaved in memory (heads_interleaved): tiles go in phases (phase_keys).
   const bool interleaved_;
+  /// The bias holds 0 and -inf only (a mask; bias_only_masks): it keeps the direct path.
+  const bool bias_masks_;
 };
 
 /// The decode forward has one instance per Highway target; avx3_bf16 runs the avx3 one with the

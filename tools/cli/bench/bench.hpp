@@ -166,6 +166,8 @@ struct stats {
 };
 
 stats summarize(std::vector<double> v);
+/// The median of @p v without its NaNs (NaN when none is left): medians of rounds (--rounds).
+double median_of(std::vector<double> v);
 double elapsed_ms(std::chrono::steady_clock::time_point t0);
 int timed_iterations(double first_ms);
 

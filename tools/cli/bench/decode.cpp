@@ -447,13 +447,6 @@ void set_ratios(std::vector<decode_row>& rows) {
   }
 }
 
-double median_of_rounds(std::vector<double> v) {
-  if (v.empty() || std::any_of(v.begin(), v.end(), [](double x) { return std::isnan(x); })) return kNaN;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /// One row per configuration and row from the rounds (the first round's order and errors), as
 /// `dfss bench --rounds` merges the forward's: each time the median of the rounds' medians (GB/s
 /// from it), min and max over all rounds, each ratio the median of the per-round ratios. A row
@@ -491,11 +484,11 @@ std::vector<decode_row> merge_decode_rounds(const std::vector<std::vector<decode
       r.iters += x->iters;
     }
     const double old_median = r.ms.median;
-    r.ms.median = median_of_rounds(r.round_ms);
+    r.ms.median = median_of(r.round_ms);
     r.gbs *= old_median / r.ms.median;
-    r.of_bandwidth = median_of_rounds(r.round_of_bandwidth);
-    r.vs_sdpa = median_of_rounds(r.round_vs_sdpa);
-    r.vs_dense = median_of_rounds(r.round_vs_dense);
+    r.of_bandwidth = median_of(r.round_of_bandwidth);
+    r.vs_sdpa = median_of(r.round_vs_sdpa);
+    r.vs_dense = median_of(r.round_vs_dense);
     if (r.what.rfind("dfss", 0) == 0) {
       std::string line = "  Lk=" + std::to_string(r.c.lk) + " " + std::to_string(r.c.heads) + ":" +
                          std::to_string(r.c.heads_kv) + " " + r.c.dtype + " " + r.what + ":";

@@ -67,6 +67,12 @@ void log_stderr(const char* format, ...) {
   g_progress.log(line);
 }
 
+double median_of(std::vector<double> v) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return std::isnan(x); }), v.end());
+  if (v.empty()) return kNaN;
+  return summarize(std::move(v)).median;
+}
+
 stats summarize(std::vector<double> v) {
   stats s;
   if (v.empty()) return s;

@@ -2,8 +2,12 @@
 #include "harness/machine.hpp"
 
 #include <omp.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cctype>
+#include <csignal>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -98,6 +102,79 @@ std::string git_commit() {
     head += " (uncommitted changes)";
   }
   return head;
+}
+
+coprocess::coprocess(const std::string& command) {
+  int to_child[2], from_child[2];
+  if (pipe(to_child) != 0) return;
+  if (pipe(from_child) != 0) {
+    ::close(to_child[0]);
+    ::close(to_child[1]);
+    return;
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, to_child[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, from_child[1], STDOUT_FILENO);
+  for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) posix_spawn_file_actions_addclose(&actions, fd);
+  const char* argv[] = {"sh", "-c", command.c_str(), nullptr};
+  pid_t pid = -1;
+  // posix_spawn, not fork: the parent may hold gigabytes of cache, which a fork would map again.
+  const int rc = posix_spawn(&pid, "/bin/sh", &actions, nullptr, const_cast<char* const*>(argv), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(to_child[0]);
+  ::close(from_child[1]);
+  if (rc != 0) {
+    ::close(to_child[1]);
+    ::close(from_child[0]);
+    return;
+  }
+  pid_ = pid;
+  old_sigpipe_ = std::signal(SIGPIPE, SIG_IGN);
+  in_ = fdopen(to_child[1], "w");
+  out_ = fdopen(from_child[0], "r");
+}
+
+coprocess::~coprocess() {
+  if (in_ != nullptr) std::fclose(in_);  // the child reads the end of its input and exits
+  close_output();
+  if (pid_ > 0) {
+    int st = 0;
+    waitpid(pid_, &st, 0);
+    std::signal(SIGPIPE, old_sigpipe_);
+  }
+}
+
+void coprocess::close_output() {
+  if (out_ != nullptr) std::fclose(out_);
+  out_ = nullptr;
+}
+
+std::optional<std::string> coprocess::read_line(const std::string& prefix) {
+  std::string line;
+  while (out_ != nullptr) {
+    const int c = std::fgetc(out_);
+    if (c == EOF) {
+      close_output();
+      break;
+    }
+    if (c != '\n') {
+      line += static_cast<char>(c);
+      continue;
+    }
+    if (line.rfind(prefix, 0) == 0) return line.substr(prefix.size());
+    line.clear();
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> coprocess::request(const std::string& line, const std::string& prefix) {
+  if (in_ == nullptr || out_ == nullptr) return std::nullopt;
+  if (std::fputs((line + "\n").c_str(), in_) == EOF || std::fflush(in_) != 0) {
+    close_output();  // the child is gone (EPIPE: SIGPIPE is ignored)
+    return std::nullopt;
+  }
+  return read_line(prefix);
 }
 
 }  // namespace dfss::harness

@@ -3,6 +3,8 @@
 // the small shell helpers they need. No dependency beyond the standard library and POSIX.
 #pragma once
 
+#include <cstdio>
+#include <optional>
 #include <string>
 
 namespace dfss::harness {
@@ -27,5 +29,33 @@ std::string shell_quote(const std::string& s);
 /// @brief Runs a shell command and returns its standard output (standard error is not captured);
 /// @p exit_status receives pclose's status when non-null.
 std::string capture(const std::string& command, int* exit_status = nullptr);
+
+/// @brief A child process talked to line by line: `/bin/sh -c command` with its standard input and
+/// output on pipes (standard error inherited). A request is one line written; its answer the next
+/// line of output that starts with a given prefix (other lines, e.g. warnings, are skipped). Used
+/// where a peer's calls must be timed round-robin with ours (`dfss bench --decode`'s SDPA).
+/// SIGPIPE is ignored while one lives, so that a child that died makes a request fail, not the
+/// process.
+class coprocess {
+ public:
+  explicit coprocess(const std::string& command);
+  ~coprocess();
+  coprocess(const coprocess&) = delete;
+  coprocess& operator=(const coprocess&) = delete;
+  /// Whether the child started and has not closed its output.
+  bool alive() const { return out_ != nullptr; }
+  /// The next line that starts with @p prefix, without it and the line end; nullopt once the
+  /// child's output has ended (then alive() is false).
+  std::optional<std::string> read_line(const std::string& prefix);
+  /// Writes @p line and a line end, then read_line(@p prefix); nullopt if the child is gone.
+  std::optional<std::string> request(const std::string& line, const std::string& prefix);
+
+ private:
+  void close_output();
+  int pid_ = -1;
+  std::FILE* in_ = nullptr;   // the child's standard input
+  std::FILE* out_ = nullptr;  // the child's standard output
+  void (*old_sigpipe_)(int) = nullptr;
+};
 
 }  // namespace dfss::harness

@@ -36,6 +36,41 @@ if "--probe" not in args:
 print("DFSS_TORCH_JSON " + json.dumps(info))
 '''
 
+# The decode peer's stub (torch_decode.py beside the stub above, as the bench finds it): serves the
+# requests of `dfss bench --decode` like tools/bench/torch_decode.py --serve, with a fixed time per
+# cache type, and logs every request. DIE_AFTER: exit instead of answering that many "time" requests
+# (0: never); FAIL: cache types whose setup answers an error.
+DECODE_STUB = r'''
+import json, sys
+log = open(sys.argv[0] + ".log", "a")
+def emit(obj):
+    sys.stdout.write("DFSS_TORCH_JSON " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+print("a warning line the bench must skip")
+emit({"python": sys.executable, "torch_version": "2.99.0"})
+times = 0
+dtype = None
+for line in sys.stdin:
+    req = json.loads(line)
+    log.write(json.dumps(req) + "\n")
+    log.flush()
+    if req["cmd"] == "setup":
+        dtype = req["dtype"]
+        if dtype in FAIL:
+            emit({"error": "RuntimeError: stub refuses " + dtype})
+        else:
+            emit({"kv_bytes": 1e6, "method": "stub sdpa"})
+    elif req["cmd"] == "time":
+        times += 1
+        if times == DIE_AFTER:
+            sys.exit(3)
+        emit({"ms": SDPA[dtype]})
+    elif req["cmd"] == "check":
+        emit({"max_err": 1.5e-7})
+    else:
+        emit({})
+'''
+
 failures = []
 
 
@@ -239,6 +274,64 @@ def main():
     dfss_rows = [r for r in rows if r["row"].startswith("dfss ")]
     check(len(dfss_rows) == 4 and all(r["max_err"] is not None and r["max_err"] < 1e-5 for r in dfss_rows),
           "decode blhd: every dfss row against the fp64 reference (got %r)" % [(r["row"], r["max_err"]) for r in dfss_rows])
+    # --decode with SDPA: the co-process (a stub of torch_decode.py --serve) is told to set up each
+    # configuration, then times one call per round-robin turn (--iters per configuration and round),
+    # checks the error, frees it; SDPA's row is its times, vs SDPA of every dfss row SDPA / row per
+    # round and the median over rounds. A cache type whose setup fails gets a "not run" row; a
+    # co-process that dies leaves its rows not run and the dfss rows measured.
+    decode_stub = os.path.join(tmp, "torch_decode.py")
+    for die_after, fail in ((0, ["bf16"]), (3, [])):
+        with open(decode_stub, "w") as f:
+            f.write("SDPA = %r\nDIE_AFTER = %d\nFAIL = %r\n" % (STUB_SDPA_MS, die_after, fail) + DECODE_STUB)
+        if os.path.exists(decode_stub + ".log"):
+            os.remove(decode_stub + ".log")
+        out = os.path.join(tmp, "decode_sdpa.json")
+        p = run(exe, ["--decode", "--lengths", "70,140", "--decode-heads", "4:2", "--decode-dtypes", "f32,bf16",
+                      "--patterns", "dense,1:2", "--iters", "3", "--threads", "2", "--rounds", "3", "--python",
+                      sys.executable, "--torch-script", stub, "--json", out])
+        what = "decode sdpa (die after %d, fail %r)" % (die_after, fail)
+        check(p.returncode == 0, "%s: exit status 0 (got %d: %s)" % (what, p.returncode, p.stderr[-300:]))
+        if p.returncode != 0:
+            continue
+        rows = json.load(open(out))["rows"]
+        sdpa = [r for r in rows if r["row"] == "torch 2.99.0 sdpa"]
+        reqs = [json.loads(l) for l in open(decode_stub + ".log")]
+        if die_after == 0:
+            want = []
+            for _ in range(3):
+                for lk in (70, 140):
+                    for dt in ("fp32", "bf16"):
+                        want.append({"cmd": "setup", "Lk": lk, "H": 4, "Hkv": 2, "dtype": dt})
+                        if dt not in fail:
+                            want += [{"cmd": "time"}] * 3 + [{"cmd": "check"}]
+                        want.append({"cmd": "free"})
+            check(reqs == want, "%s: setup, 3 timed calls, check, free per configuration and round (got %r)"
+                  % (what, reqs[:8]))
+            check(len(sdpa) == 4, "%s: one SDPA row per configuration (got %d)" % (what, len(sdpa)))
+            for r in sdpa:
+                if r["cache"] == "bf16":
+                    check(not r["ok"] and "stub refuses bf16" in r["reason"], "%s: the failed setup's reason (got %r)"
+                          % (what, r["reason"]))
+                    continue
+                check(r["ok"] and r["ms_median"] == STUB_SDPA_MS["fp32"] and r["iters"] == 9 and
+                      r["max_err"] == 1.5e-7 and math.isclose(r["gbs"], 1e6 / (STUB_SDPA_MS["fp32"] * 1e6)),
+                      "%s: SDPA row Lk=%d from the co-process's answers (got %r)" % (what, r["Lk"], r))
+                for d in [x for x in rows if x["Lk"] == r["Lk"] and x["cache"] == "f32" and x["row"].startswith("dfss")]:
+                    want_vs = sorted(STUB_SDPA_MS["fp32"] / ms for ms in d["rounds_ms_median"])[1]
+                    check(math.isclose(d["vs_sdpa"], want_vs, rel_tol=1e-9),
+                          "%s: %s Lk=%d vs SDPA is the median of SDPA / row per round (got %r, want %r)"
+                          % (what, d["row"], d["Lk"], d["vs_sdpa"], want_vs))
+            bf16 = [x for x in rows if x["cache"] == "bf16" and x["row"].startswith("dfss")]
+            check(bf16 and all(x["vs_sdpa"] is None for x in bf16), "%s: no vs SDPA without an SDPA time" % what)
+        else:
+            check(len([q for q in reqs if q["cmd"] == "time"]) == die_after,
+                  "%s: the co-process was asked for time until it died" % what)
+            check(sdpa and all(not r["ok"] and "co-process ended" in r["reason"] for r in sdpa),
+                  "%s: the SDPA rows are not run, saying why (got %r)" % (what, [r["reason"] for r in sdpa]))
+            dfss = [x for x in rows if x["row"].startswith("dfss")]
+            check(len(dfss) == 8 and all(x["ok"] and x["max_err"] < 1e-5 for x in dfss),
+                  "%s: the dfss rows are measured" % what)
+
     p = run(exe, ["--decode", "--cache-layout", "bthd", "--no-torch"])
     check(p.returncode == 2 and "--cache-layout" in p.stderr, "decode: an unknown layout is refused (got %d: %s)"
           % (p.returncode, p.stderr[-300:]))

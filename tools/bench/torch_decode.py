@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """PyTorch 2.x peer of `dfss bench --decode`: one decode step of SDPA against a KV cache on the CPU.
 
-`dfss bench --decode` runs this script once (torch 2.x interpreter of --python) with the thread
-variables OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS set in the environment. It prints
-one line "DFSS_TORCH_JSON {...}" that dfss bench parses.
+`dfss bench --decode` runs this script with --serve (torch 2.x interpreter of --python, the thread
+variables OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS set in the environment) as a
+co-process: it sets up each configuration when told and times one call per request, so that SDPA's
+calls are timed round-robin with the dfss rows and the memory sweep of the same configuration
+(serve()). Without --serve it times every configuration in turn and prints one line
+"DFSS_TORCH_JSON {...}" with all the rows (for use by hand).
 
 Per (cache length Lk, heads H:Hkv, cache dtype): q [B, H, Lq, d], k and v [B, Hkv, Lk, d] contiguous
 (Hugging Face's KV cache layout; dfss reads the same layout through strided views), or with
@@ -12,7 +15,7 @@ transposed views, standard normal,
 F.scaled_dot_product_attention(q, k, v, enable_gqa=True) under torch.inference_mode. SDPA aligns
 is_causal top-left, dfss bottom-right: for Lq = 1 the causal mask is a no-op and SDPA gets
 is_causal=False; for Lq > 1 (speculative drafts) it gets the bottom-right mask as an explicit boolean
-attn_mask. Timing: 2 untimed calls, then --iters timed calls (time.perf_counter), each after a read
+attn_mask. Timing: 2 untimed calls, then --iters timed calls (one per request with --serve) (time.perf_counter), each after a read
 of 128 MiB elsewhere that empties the CPU's caches (as dfss bench does before each of its calls: a
 decode step reads the cache from memory), median, min, max in ms. The error column is the max abs difference to float64 of the same math on the same (rounded)
 inputs. kv_bytes = the dense K + V bytes (GB/s = kv_bytes / time, as dfss bench computes it).
@@ -53,6 +56,8 @@ def main(argv):
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--seed", type=int, default=2023)
     ap.add_argument("--cache-layout", choices=["bhld", "blhd"], default="bhld")
+    ap.add_argument("--serve", action="store_true",
+                    help="answer dfss bench --decode's requests on standard input (see serve())")
     ap.add_argument("--ref-max-keys", type=int, default=16384,
                     help="the float64 error check only up to this cache length (its copy is 2x the fp32 cache, "
                          "and 4x for GQA after repeat_interleave)")
@@ -67,57 +72,24 @@ def main(argv):
         return 0
     info["torch_version"] = torch.__version__
     torch.set_num_threads(args.threads)
+    if args.serve:
+        return serve(args, info, torch, F)
     gen = torch.Generator().manual_seed(args.seed)
-    dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    B, Lq, d = args.batch, args.query_rows, args.head_dim
-    scale = 1.0 / math.sqrt(d)
     results = []
     flush = torch.ones(32 << 20, dtype=torch.float32)  # 128 MiB, dfss bench's kFlushBytes
     with torch.inference_mode():
         for Lk in [int(x) for x in args.lengths.split(",") if x]:
-            mask = None
-            if Lq > 1:  # bottom-right causal: query i sees keys j <= i + Lk - Lq
-                mask = torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=Lk - Lq)
             for hh in [x for x in args.heads.split(",") if x]:
                 H, Hkv = (int(x) for x in hh.split(":"))
                 for name in [x for x in args.dtypes.split(",") if x]:
-                    dt = dtype_of[name]
-                    row = {"Lk": Lk, "H": H, "Hkv": Hkv, "dtype": name, "Lq": Lq, "B": B, "d": d,
-                           "method": "sdpa enable_gqa" + (" bottom-right mask" if mask is not None else "")}
+                    row = {"Lk": Lk, "H": H, "Hkv": Hkv, "dtype": name}
                     try:
-                        q = torch.randn(B, H, Lq, d, generator=gen).to(dt)
-                        if args.cache_layout == "blhd":
-                            k = torch.randn(B, Lk, Hkv, d, generator=gen).to(dt).transpose(1, 2)
-                            v = torch.randn(B, Lk, Hkv, d, generator=gen).to(dt).transpose(1, 2)
-                        else:
-                            k = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
-                            v = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
-                        row["kv_bytes"] = 2 * k.numel() * k.element_size()
-
-                        def step():
-                            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False,
-                                                                  enable_gqa=True)
-                        out = step()
-                        out = step()
-                        ms = []
-                        for _ in range(args.iters):
-                            flush.sum()
-                            t0 = time.perf_counter()
-                            out = step()
-                            ms.append((time.perf_counter() - t0) * 1e3)
+                        case = Case(torch, F, args, Lk, H, Hkv, name, gen)
+                        row.update(case.row)
+                        ms = [case.timed(flush) for _ in range(args.iters)]
                         row.update({"ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
-                                    "iters": len(ms), "max_err": None})
-                        if Lk <= args.ref_max_keys:
-                            g = H // Hkv
-                            kd = k.double().repeat_interleave(g, dim=1)
-                            vd = v.double().repeat_interleave(g, dim=1)
-                            s = torch.matmul(q.double(), kd.transpose(-1, -2)) * scale
-                            if mask is not None:
-                                s = s.masked_fill(~mask, float("-inf"))
-                            ref = torch.softmax(s, dim=-1) @ vd
-                            row["max_err"] = float((out.double() - ref).abs().max())
-                            del kd, vd, s, ref
-                        del q, k, v, out
+                                    "iters": len(ms), "max_err": case.max_err()})
+                        del case
                     except Exception as e:  # noqa: BLE001 - report, keep going
                         row["error"] = "%s: %s" % (type(e).__name__, e)
                     results.append(row)
@@ -125,6 +97,99 @@ def main(argv):
     emit(info)
     return 0
 
+
+class Case:
+    """One configuration's SDPA step: q [B, H, Lq, d] and the cache (standard normal from @p gen) in
+    --cache-layout memory, the bottom-right causal mask for Lq > 1, two untimed calls."""
+
+    def __init__(self, torch, F, args, Lk, H, Hkv, name, gen):
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+        B, Lq, d = args.batch, args.query_rows, args.head_dim
+        self.torch, self.F, self.H, self.Hkv, self.Lk = torch, F, H, Hkv, Lk
+        self.scale = 1.0 / math.sqrt(d)
+        self.ref_max_keys = args.ref_max_keys
+        self.mask = None
+        if Lq > 1:  # bottom-right causal: query i sees keys j <= i + Lk - Lq
+            self.mask = torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=Lk - Lq)
+        self.q = torch.randn(B, H, Lq, d, generator=gen).to(dt)
+        if args.cache_layout == "blhd":
+            self.k = torch.randn(B, Lk, Hkv, d, generator=gen).to(dt).transpose(1, 2)
+            self.v = torch.randn(B, Lk, Hkv, d, generator=gen).to(dt).transpose(1, 2)
+        else:
+            self.k = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
+            self.v = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
+        self.row = {"Lq": Lq, "B": B, "d": d, "kv_bytes": 2 * self.k.numel() * self.k.element_size(),
+                    "method": "sdpa enable_gqa" + (" bottom-right mask" if self.mask is not None else "")}
+        self.out = self.step()
+        self.out = self.step()
+
+    def step(self):
+        with self.torch.inference_mode():
+            return self.F.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=self.mask, is_causal=False,
+                                                       enable_gqa=True)
+
+    def timed(self, flush):
+        """One timed call (ms) after a read of @p flush, which empties the CPU's caches."""
+        flush.sum()
+        t0 = time.perf_counter()
+        self.out = self.step()
+        return (time.perf_counter() - t0) * 1e3
+
+    def max_err(self):
+        """Max |out - float64 of the same math on the same rounded inputs|, or None past --ref-max-keys."""
+        if self.Lk > self.ref_max_keys:
+            return None
+        torch = self.torch
+        g = self.H // self.Hkv
+        kd = self.k.double().repeat_interleave(g, dim=1)
+        vd = self.v.double().repeat_interleave(g, dim=1)
+        s = torch.matmul(self.q.double(), kd.transpose(-1, -2)) * self.scale
+        if self.mask is not None:
+            s = s.masked_fill(~self.mask, float("-inf"))
+        ref = torch.softmax(s, dim=-1) @ vd
+        return float((self.out.double() - ref).abs().max())
+
+
+def serve(args, info, torch, F):
+    """--serve: dfss bench --decode's co-process. Prints the info line, then answers one request per
+    line of standard input (JSON), one DFSS_TORCH_JSON line each, until end of input:
+      {"cmd": "setup", "Lk", "H", "Hkv", "dtype"} -> the row's fields, or {"error"}
+      {"cmd": "time"} -> {"ms"}: one timed call of the configuration set up last
+      {"cmd": "check"} -> {"max_err"} (null past --ref-max-keys)
+      {"cmd": "free"} -> {} (the configuration's tensors released)
+    Before a timed call it sleeps kHandOff: the other process's OpenMP threads spin for a few ms
+    after their last parallel region (4-7 ms of CPU measured on the 2-core Sapphire Rapids VM), and
+    would share the cores with this call; dfss bench sleeps as long before its own."""
+    hand_off = 0.02  # seconds; kHandOff of tools/cli/bench/decode.cpp
+    emit(info)
+    flush = torch.ones(32 << 20, dtype=torch.float32)  # 128 MiB, dfss bench's kFlushBytes
+    case = None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        cmd = req.get("cmd")
+        try:
+            if cmd == "setup":
+                case = None
+                gen = torch.Generator().manual_seed(args.seed + req["Lk"] * 131 + req["Hkv"])
+                case = Case(torch, F, args, req["Lk"], req["H"], req["Hkv"], req["dtype"], gen)
+                emit(case.row)
+            elif cmd in ("time", "check") and case is None:
+                emit({"error": "no configuration set up"})
+            elif cmd == "time":
+                time.sleep(hand_off)
+                emit({"ms": case.timed(flush)})
+            elif cmd == "check":
+                emit({"max_err": case.max_err()})
+            elif cmd == "free":
+                case = None
+                emit({})
+            else:
+                emit({"error": "unknown request %r" % (cmd,)})
+        except Exception as e:  # noqa: BLE001 - report, keep serving
+            emit({"error": "%s: %s" % (type(e).__name__, e)})
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -2,14 +2,14 @@
 // B = 1, d = 128, for grouped heads (--decode-heads H:Hkv, default MHA 32:32 and GQA 32:8) and cache
 // types (--decode-dtypes, default f32 and bf16). Rows: dfss dense, DFSS 1:2 and 2:4 (the selector's
 // decode kernel), PyTorch 2.x SDPA on a cache of the same shape, type and layout
-// (tools/bench/torch_decode.py, a child process with the same threads), and the machine's memory
-// bandwidth: a read-only sweep over the cache's K and V with the same threads, timed round-robin
-// with the dfss rows of the configuration so that it sees the same machine, every timed call after
-// a read of kFlushBytes elsewhere so that each one reads the cache from memory.
+// (tools/bench/torch_decode.py --serve, a co-process with the same threads: sdpa_peer), and the
+// machine's memory bandwidth: a read-only sweep over the cache's K and V with the same threads. All
+// rows of a configuration, SDPA's included, are timed round-robin (one call of each in turn, --iters
+// times) so that they see the same machine, every timed call after a read of kFlushBytes elsewhere
+// so that each one reads the cache from memory.
 //
-// --rounds R repeats the whole sweep (every configuration, then the SDPA child) R times and reports
-// the median of each row's round medians and of each of its per-round ratios, as the forward's
-// --rounds does.
+// --rounds R repeats the whole sweep (every configuration) R times and reports the median of each
+// row's round medians and of each of its per-round ratios, as the forward's --rounds does.
 //
 // The cache is laid out [B, Hkv, Lk, d] (Hugging Face's KV cache, SDPA's layout); dfss reads it
 // through strided [B, Lk, Hkv, d] views, no copy. The causal flag is set (bottom-right: a no-op for
@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "cli/bench/bench.hpp"
 #include "cli/commands.hpp"
@@ -48,6 +49,12 @@ namespace {
 /// level (32 MiB on the Zen 3 and Zen 4 parts we run on; a cache sweep timed right after the dfss
 /// rows read a 16 MiB cache at 63 against 29 GB/s). Four times that, so that it is gone.
 constexpr std::size_t kFlushBytes = std::size_t{128} << 20;
+
+/// Idle time before a timed call that follows the other process's (dfss's after SDPA's, SDPA's after
+/// dfss's): an OpenMP runtime's threads spin for a while after their last parallel region (libgomp's
+/// default: 4-7 ms of CPU measured on the 2-core Sapphire Rapids VM), and would share the cores with
+/// the other process's timed call. torch_decode.py's serve() sleeps as long before its own.
+constexpr auto kHandOff = std::chrono::milliseconds(20);
 
 /// Longest cache checked against the fp64 reference: its copy of K and V in fp64 is 4x the fp32 cache
 /// (2 GiB at Lk = 16384 with 32 kv heads), and longer caches add no new code path.
@@ -175,8 +182,76 @@ std::uint64_t sweep_half(const sweep_part& whole, const sweep_part& rows, std::s
   return total;
 }
 
-/// The dfss rows and the memory sweep of one configuration, timed round-robin.
-void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) {
+/// PyTorch 2.x SDPA on the same cache shape: tools/bench/torch_decode.py --serve as a co-process
+/// (one for the whole run), told to set up each configuration and to time one call at a time, so
+/// that its calls are timed round-robin with the dfss rows and the sweeps. Until issue 14's Sapphire
+/// Rapids runs SDPA ran in a child after all dfss rows of a round, on a host that had moved on by then
+/// (a busy host once took SDPA to 5-12x its usual time: docs/benchmarks.md).
+class sdpa_peer {
+ public:
+  /// Starts the co-process of the newest torch 2.x interpreter of --python; where there is none, or
+  /// it does not answer, the reason goes to @p notes and alive() is false.
+  explicit sdpa_peer(std::vector<std::string>& notes) {
+    std::vector<std::string> peer_notes;
+    const std::vector<torch_peer> peers = probe_torch_peers(peer_notes);
+    const torch_peer* peer = nullptr;
+    for (const auto& p : peers)
+      if (!p.version.empty() && p.version[0] != '1' && p.sdpa == "public") peer = &p;
+    for (const auto& n : peer_notes) notes.push_back(n);
+    if (peer == nullptr) {
+      notes.push_back("torch: no torch 2.x interpreter among --python: no SDPA rows");
+      return;
+    }
+    std::string script = find_torch_script();
+    script = script.substr(0, script.rfind('/')) + "/torch_decode.py";
+    std::ostringstream cmd;
+    cmd << torch_env(false) << shell_quote(peer->python) << " " << shell_quote(script) << " --serve --batch "
+        << g_opt.batch << " --query-rows " << g_opt.query_rows << " --head-dim " << g_opt.head_dim << " --threads "
+        << g_opt.threads << " --seed " << g_opt.seed << " --cache-layout " << g_opt.cache_layout
+        << " --ref-max-keys " << kDecodeRefKeys;
+    command_ = cmd.str();
+    log_stderr("  torch %s (%s): SDPA decode, a co-process\n", peer->version.c_str(), peer->python.c_str());
+    child_ = std::make_unique<harness::coprocess>(command_);
+    json hello;
+    const auto line = child_->read_line(kPrefix);
+    if (!line || !parse(*line, hello) || hello.contains("error")) {
+      notes.push_back("torch " + peer->version + ": the decode script did not start (" +
+                      (line ? *line : std::string("no answer")) + "); run it by hand: " + command_);
+      child_.reset();
+      return;
+    }
+    name_ = "torch " + peer->version + " sdpa";
+    notes.push_back("torch " + peer->version + " (" + peer->python + "), timed round-robin with the dfss rows: " +
+                    command_);
+  }
+  bool alive() const { return child_ != nullptr && child_->alive(); }
+  const std::string& name() const { return name_; }
+  /// One request's answer, or {"error": why} (the co-process gone, or what it said went wrong).
+  json ask(const json& req) {
+    json answer;
+    const auto line = alive() ? child_->request(req.dump(), kPrefix) : std::nullopt;
+    if (!line) return json{{"error", "the SDPA co-process ended (run it by hand: " + command_ + ")"}};
+    if (!parse(*line, answer) || !answer.is_object()) return json{{"error", "unreadable answer: " + *line}};
+    return answer;
+  }
+
+ private:
+  static constexpr const char* kPrefix = "DFSS_TORCH_JSON ";
+  static bool parse(const std::string& text, json& out) {
+    try {
+      out = json::parse(text);
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+  std::string command_, name_;
+  std::unique_ptr<harness::coprocess> child_;
+};
+
+/// The dfss rows, the memory sweeps and SDPA (@p sdpa, when alive) of one configuration, timed
+/// round-robin.
+void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, sdpa_peer* sdpa) {
   const std::int64_t B = g_opt.batch, Lq = g_opt.query_rows, d = g_opt.head_dim;
   const std::int64_t H = c.heads, Hkv = c.heads_kv, Lk = c.lk;
   const dtype type = parse_dtype(c.dtype);
@@ -253,13 +328,31 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
     }
     runs.push_back(std::move(s));
   }
+  // SDPA's row: set up in the co-process (its own cache of the same shape, drawn alike).
+  decode_row sdpa_row;
+  std::vector<double> sdpa_ms;
+  double sdpa_kv_bytes = kNaN;
+  const bool with_sdpa = sdpa != nullptr && sdpa->alive();
+  if (with_sdpa) {
+    sdpa_row.c = c;
+    sdpa_row.what = sdpa->name();
+    const json ready = sdpa->ask({{"cmd", "setup"}, {"Lk", c.lk}, {"H", c.heads}, {"Hkv", c.heads_kv},
+                                  {"dtype", dtype_label(c.dtype)}});
+    sdpa_row.kernel = ready.contains("method") ? get_str(ready, "method") : "-";
+    if (ready.contains("error")) {
+      sdpa_row.reason = get_str(ready, "error");
+    } else {
+      sdpa_row.ok = true;
+      sdpa_kv_bytes = get_num(ready, "kv_bytes");
+    }
+  }
   std::vector<double> sweep_ms, buffer_ms, half_ms;
   sink += sweep(cache_parts, g_opt.threads);  // warmup
   sink += sweep(buffer_parts, g_opt.threads);
   sink += sweep_half(cache_parts[0], cache_parts[1], row_words, pick, g_opt.threads);
   const int rounds = g_opt.iters;
   for (int it = 0; it < rounds; ++it) {
-    g_progress.show(g_rows_done + 1, static_cast<int>(runs.size()) + 1,
+    g_progress.show(g_rows_done + 1, static_cast<int>(runs.size()) + 1 + (with_sdpa ? 1 : 0),
                     "Lk=" + std::to_string(c.lk) + " " + std::to_string(c.heads) + ":" + std::to_string(c.heads_kv) +
                         " " + c.dtype + ": round " + std::to_string(it + 1) + " of " + std::to_string(rounds));
     sink += sweep(flush_parts, g_opt.threads);
@@ -286,8 +379,18 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
         s->r.reason = st.message;
       }
     }
+    if (sdpa_row.ok) {
+      const json t = sdpa->ask({{"cmd", "time"}});
+      if (t.contains("error")) {
+        sdpa_row.ok = false;
+        sdpa_row.reason = get_str(t, "error");
+      } else {
+        sdpa_ms.push_back(get_num(t, "ms"));
+      }
+      std::this_thread::sleep_for(kHandOff);
+    }
   }
-  g_rows_done += static_cast<int>(runs.size()) + 1;
+  g_rows_done += static_cast<int>(runs.size()) + 1 + (with_sdpa ? 1 : 0);
 
   // GB/s of every sweep row is K + V bytes / time, like the dfss rows' (dense-equivalent for the
   // half sweep); the kernel column says what it read.
@@ -346,69 +449,18 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows) 
     }
     rows.push_back(r);
   }
-}
-
-/// The SDPA rows: one child process of tools/bench/torch_decode.py over every configuration.
-void bench_decode_torch(const std::vector<decode_config>& configs, std::vector<decode_row>& rows,
-                        std::vector<std::string>& notes) {
-  std::vector<std::string> peer_notes;
-  const std::vector<torch_peer> peers = probe_torch_peers(peer_notes);
-  const torch_peer* peer = nullptr;
-  for (const auto& p : peers)
-    if (!p.version.empty() && p.version[0] != '1' && p.sdpa == "public") peer = &p;
-  for (const auto& n : peer_notes) notes.push_back(n);
-  if (peer == nullptr) {
-    notes.push_back("torch: no torch 2.x interpreter among --python: no SDPA rows");
-    return;
-  }
-  std::string script = find_torch_script();
-  script = script.substr(0, script.rfind('/')) + "/torch_decode.py";
-  std::vector<std::string> lks, heads, dtypes;
-  for (const auto& c : configs) {
-    lks.push_back(std::to_string(c.lk));
-    heads.push_back(std::to_string(c.heads) + ":" + std::to_string(c.heads_kv));
-    dtypes.push_back(dtype_label(c.dtype));
-  }
-  std::ostringstream cmd;
-  cmd << torch_env(false) << shell_quote(peer->python) << " " << shell_quote(script) << " --lengths "
-      << join(g_opt.lengths) << " --heads " << join(g_opt.decode_heads) << " --dtypes ";
-  std::vector<std::string> labels;
-  for (const auto& t : g_opt.decode_dtypes) labels.push_back(dtype_label(t));
-  cmd << join(labels) << " --batch " << g_opt.batch << " --query-rows " << g_opt.query_rows << " --head-dim "
-      << g_opt.head_dim << " --threads " << g_opt.threads << " --iters " << g_opt.iters << " --seed " << g_opt.seed
-      << " --cache-layout " << g_opt.cache_layout;
-  log_stderr("  torch %s (%s): SDPA decode\n", peer->version.c_str(), peer->python.c_str());
-  g_progress.show(++g_rows_done, 1, "torch " + peer->version + " SDPA, every configuration");
-  int rc = 0;
-  const std::string out = capture(cmd.str(), &rc);
-  json j;
-  if (!read_torch_json(out, j) || !j.contains("results") || !j["results"].is_array()) {
-    notes.push_back("torch " + peer->version + ": the decode script failed (exit status " + std::to_string(rc) +
-                    "); run it by hand: " + cmd.str());
-    return;
-  }
-  notes.push_back("torch " + peer->version + " (" + peer->python + "): " + cmd.str());
-  for (const json& e : j["results"]) {
-    decode_row r;
-    r.c.lk = static_cast<long long>(get_num(e, "Lk"));
-    r.c.heads = static_cast<long long>(get_num(e, "H"));
-    r.c.heads_kv = static_cast<long long>(get_num(e, "Hkv"));
-    const std::string dt = get_str(e, "dtype");
-    r.c.dtype = dt == "fp32" ? "f32" : dt == "fp16" ? "f16" : dt;
-    r.what = "torch " + peer->version + " sdpa";
-    r.kernel = get_str(e, "method");
-    if (e.contains("error")) {
-      r.reason = get_str(e, "error");
-    } else {
-      r.ok = true;
-      r.ms.median = get_num(e, "ms_median");
-      r.ms.min = get_num(e, "ms_min");
-      r.ms.max = get_num(e, "ms_max");
-      r.iters = static_cast<int>(get_num(e, "iters"));
-      r.max_err = get_num(e, "max_err");
-      r.gbs = get_num(e, "kv_bytes") / (r.ms.median * 1e6);
+  if (with_sdpa) {
+    if (sdpa_row.ok) {
+      sdpa_row.iters = static_cast<int>(sdpa_ms.size());
+      sdpa_row.ms = summarize(sdpa_ms);
+      sdpa_row.gbs = sdpa_kv_bytes / (sdpa_row.ms.median * 1e6);
+      if (check) {
+        const json e = sdpa->ask({{"cmd", "check"}});
+        if (e.contains("max_err") && e["max_err"].is_number()) sdpa_row.max_err = get_num(e, "max_err");
+      }
     }
-    rows.push_back(r);
+    sdpa->ask({{"cmd", "free"}});
+    rows.push_back(sdpa_row);
   }
 }
 
@@ -528,7 +580,8 @@ int run_decode() {
               info.compiler.c_str());
   std::printf(
       "run: one decode step, B=%lld, Lq=%lld, d=%lld, causal (bottom-right), cache %s random normal, "
-      "%d threads, median of %d calls (round-robin with the memory sweep, each after a 128 MiB read elsewhere)\n",
+      "%d threads, median of %d calls (round-robin with the memory sweep and SDPA, each after a 128 MiB read "
+      "elsewhere)\n",
       g_opt.batch, g_opt.query_rows, g_opt.head_dim,
       g_opt.cache_layout == "blhd" ? "[B, Lk, Hkv, d]" : "[B, Hkv, Lk, d]", g_opt.threads, g_opt.iters);
   if (g_opt.rounds > 1) {
@@ -546,20 +599,21 @@ int run_decode() {
               g_opt.threads,
               g_opt.iters, g_opt.rounds, g_opt.seed, g_opt.isas.at(0).c_str(), g_opt.no_torch ? " --no-torch" : "");
   std::fflush(stdout);
-  g_progress.enable(g_opt.progress || isatty(STDERR_FILENO) != 0, isatty(STDERR_FILENO) != 0);
-  g_progress.add_rows(g_opt.rounds *
-                      (static_cast<int>(configs.size() * (g_opt.patterns.size() + 1)) + (g_opt.no_torch ? 0 : 1)));
-
-  // --rounds R: the whole sweep (every configuration, then the SDPA child) R times; the host moves
-  // a single sweep's ratios by more than the kernels' margins over the bars.
-  std::vector<std::vector<decode_row>> rounds(static_cast<std::size_t>(g_opt.rounds));
   std::vector<std::string> notes;
+  std::unique_ptr<sdpa_peer> sdpa;
+  if (!g_opt.no_torch) sdpa = std::make_unique<sdpa_peer>(notes);
+  const int sdpa_rows = sdpa != nullptr && sdpa->alive() ? 1 : 0;
+  g_progress.enable(g_opt.progress || isatty(STDERR_FILENO) != 0, isatty(STDERR_FILENO) != 0);
+  g_progress.add_rows(g_opt.rounds * static_cast<int>(configs.size() * (g_opt.patterns.size() + 1 + sdpa_rows)));
+
+  // --rounds R: the whole sweep (every configuration) R times; the host moves a single sweep's
+  // ratios by more than the kernels' margins over the bars.
+  std::vector<std::vector<decode_row>> rounds(static_cast<std::size_t>(g_opt.rounds));
   for (std::size_t k = 0; k < rounds.size(); ++k) {
-    std::vector<std::string> round_notes;  // the SDPA child's command: told once, from round 1
-    for (const auto& c : configs) bench_decode_config(c, rounds[k]);
-    if (!g_opt.no_torch) bench_decode_torch(configs, rounds[k], k == 0 ? notes : round_notes);
+    for (const auto& c : configs) bench_decode_config(c, rounds[k], sdpa.get());
     set_ratios(rounds[k]);
   }
+  sdpa.reset();  // the co-process ends with its input
   g_progress.done();
   std::vector<decode_row> rows = merge_decode_rounds(rounds, notes);
   std::stable_sort(rows.begin(), rows.end(), [&](const decode_row& x, const decode_row& y) {
@@ -631,7 +685,7 @@ int run_decode() {
       "\nGB/s = dense K + V bytes of the cache / median time (the sparse rows read all of K but only the kept\n"
       "rows of V, so theirs is a dense-equivalent rate); %% of bw = against the memory sweep of the same\n"
       "configuration (a read-only pass over the cache's own K and V with the same threads, timed round-robin\n"
-      "with the dfss rows, each call after a read of 128 MiB elsewhere that empties the CPU's caches;\n"
+      "with the dfss rows and SDPA, each call after a read of 128 MiB elsewhere that empties the CPU's caches;\n"
       "'memory sweep, other' is the same pass over a buffer of that size allocated after\n"
       "the cache, its %% of bw the rate of that other memory against the cache's; 'memory sweep, K + half V'\n"
       "reads all of K and one random row of every two of V, the least a 1:2 step reads: its %% of bw is the\n"

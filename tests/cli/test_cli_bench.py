@@ -23,6 +23,9 @@ args = sys.argv[1:]
 def opt(name, default):
     return args[args.index(name) + 1] if name in args else default
 info = {"python": sys.executable, "python_version": "3.0.0", "torch_version": "2.99.0", "sdpa": "public"}
+if "--serve" in args:  # a script that does not serve: answers its info without "serving" and ends
+    print("DFSS_TORCH_JSON " + json.dumps(info))
+    sys.exit(0)
 if "--probe" not in args:
     with open(sys.argv[0] + ".args", "a") as f:
         f.write(" ".join(args) + "\n")
@@ -47,7 +50,7 @@ def emit(obj):
     sys.stdout.write("DFSS_TORCH_JSON " + json.dumps(obj) + "\n")
     sys.stdout.flush()
 print("a warning line the bench must skip")
-emit({"python": sys.executable, "torch_version": "2.99.0"})
+emit({"python": sys.executable, "torch_version": "2.99.0", "serving": True})
 times = 0
 dtype = None
 for line in sys.stdin:
@@ -68,6 +71,42 @@ for line in sys.stdin:
     elif req["cmd"] == "check":
         emit({"max_err": 1.5e-7})
     else:
+        emit({})
+'''
+
+# A torch_attention.py that serves (--serve, as tools/bench/torch_attention.py does for a torch 2.x
+# interpreter): the probe as STUB's; then fixed times per (dtype, method), bmm at twice SDPA's, every
+# request logged.
+SERVE_STUB = r'''
+import json, sys
+args = sys.argv[1:]
+info = {"python": sys.executable, "python_version": "3.0.0", "torch_version": "2.99.0", "sdpa": "public"}
+def emit(obj):
+    sys.stdout.write("DFSS_TORCH_JSON " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+if "--serve" not in args:
+    emit(info)
+    sys.exit(0)
+with open(sys.argv[0] + ".args", "a") as f:
+    f.write(" ".join(args) + "\n")
+log = open(sys.argv[0] + ".log", "a")
+info["serving"] = True
+emit(info)
+entries = {}
+for line in sys.stdin:
+    req = json.loads(line)
+    log.write(json.dumps(req) + "\n")
+    log.flush()
+    if req["cmd"] == "setup":
+        key = "%d/%s/%s" % (req["L"], req["dtype"], req["method"])
+        entries[key] = SDPA[req["dtype"]] * (2 if req["method"] == "bmm" else 1)
+        emit({"id": key, "method": req["method"], "first_ms": 1.0})
+    elif req["cmd"] == "time":
+        emit({"ms": entries[req["id"]]})
+    elif req["cmd"] == "check":
+        emit({"max_err": 2.5e-7})
+    else:
+        entries.clear()
         emit({})
 '''
 
@@ -147,6 +186,57 @@ def main():
               "%s: progress starts at row 1 of %d" % (dtype, total))
         check(any(l.startswith("[dfss bench] row %d of %d (0 left), torch 2.99.0" % (total, total)) for l in prog),
               "%s: progress ends at row %d of %d, the torch run" % (dtype, total, total))
+
+    # A torch 2.x script that serves: its calls join the round-robin of each length (setup of fp32
+    # bmm and sdpa, and sdpa in the 16-bit dfss dtype; --iters timed calls each, one per turn; the
+    # error; free), its rows and the vs SDPA column come from its answers, the notes say so, and no
+    # child run follows.
+    serve_stub = os.path.join(tmp, "torch_attention.py")
+    with open(serve_stub, "w") as f:
+        f.write("SDPA = %r\n" % STUB_SDPA_MS + SERVE_STUB)
+    for dtype, label in (("f32", "fp32"), ("bf16", "bf16")):
+        for extra in (serve_stub + ".log", serve_stub + ".args"):
+            if os.path.exists(extra):
+                os.remove(extra)
+        out_json = os.path.join(tmp, "bench_served_%s.json" % dtype)
+        p = run(exe, ["--lengths", "32,48", "--heads", "1", "--iters", "3", "--warmup", "1", "--no-sgemm",
+                      "--no-torch-tuned", "--dtype", dtype, "--python", sys.executable, "--torch-script", serve_stub,
+                      "--json", out_json, "--causal"])
+        what = "served %s" % dtype
+        check(p.returncode == 0, "%s: exit status 0 (got %d: %s)" % (what, p.returncode, p.stderr[-300:]))
+        if p.returncode != 0:
+            continue
+        entries = [("fp32", "bmm"), ("fp32", "sdpa")] + ([(label, "sdpa")] if label != "fp32" else [])
+        want = []
+        for L in (32, 48):
+            want += [{"cmd": "setup", "L": L, "dtype": dt, "method": m} for dt, m in entries]
+            want += [{"cmd": "time", "id": "%d/%s/%s" % (L, dt, m)} for dt, m in entries] * 3
+            want += [{"cmd": "check", "id": "%d/%s/%s" % (L, dt, m)} for dt, m in entries]
+            want.append({"cmd": "free"})
+        reqs = [json.loads(l) for l in open(serve_stub + ".log")]
+        check(reqs == want, "%s: setup, one call of each entry per turn, check, free per length (got %r)"
+              % (what, reqs[:6]))
+        started = open(serve_stub + ".args").read().split()
+        check(started.count("--serve") == 1 and "--causal" in started,
+              "%s: one co-process for the run, told --causal (got %r)" % (what, started))
+        check("timed round-robin with the dfss rows" in p.stdout, "%s: the notes say the peer is served" % what)
+        j = json.load(open(out_json))
+        torch_rows = [r for r in j["rows"] if r["source"] == "torch"]
+        check(sorted((r["L"], r["dtype"], r["algorithm"]) for r in torch_rows) ==
+              sorted((L, dt, "torch 2.99.0 " + m) for L in (32, 48) for dt, m in entries) and
+              all(r["ok"] and r["iters"] == 3 and r["max_err"] == 2.5e-7 and
+                  r["ms_median"] == STUB_SDPA_MS[r["dtype"]] * (2 if r["algorithm"].endswith("bmm") else 1)
+                  for r in torch_rows),
+              "%s: one torch row per entry and length, from the answers (got %r)"
+              % (what, [(r["L"], r["dtype"], r["algorithm"], r["ms_median"]) for r in torch_rows]))
+        for r in [r for r in j["rows"] if r["source"] == "dfss" and r["ok"]]:
+            want_vs = STUB_SDPA_MS[label] / r["ms_median"]
+            check(math.isclose(r["speedup_vs_sdpa"], want_vs, rel_tol=1e-9),
+                  "%s: L=%d %s %s: vs SDPA from the served SDPA (got %r, want %r)"
+                  % (what, r["L"], r["pattern"], r["algorithm"], r["speedup_vs_sdpa"], want_vs))
+    p = run(exe, common + ["--python", sys.executable, "--torch-script", stub])
+    check(p.returncode == 0 and "not served (its first answer is not a serving one" in p.stdout,
+          "a script that does not serve: the notes say so and its child run gives the rows")
 
     # --rounds 3: the whole sweep three times, the torch stub answering 7.25, 14.5 and 29 ms in its
     # three calls (a machine whose load drifts). Each dfss row keeps its per-round medians and ratios

@@ -5,7 +5,8 @@
 once more with the "tuned" environment of shared/reference/cpu-baselines.md), with the thread
 variables OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS already set in the environment.
 It prints one line "DFSS_TORCH_JSON {...}" that dfss bench parses; everything else it prints is
-informational.
+informational. For the forward of a torch 2.x interpreter dfss bench runs it with --serve instead, as
+a co-process whose calls are timed round-robin with the dfss rows of the same length (serve()).
 
 Methods (both non-causal, no mask, scale 1/sqrt(d), under torch.inference_mode / no_grad):
   bmm   q, k, v as [B*H, L, d]: S = bmm(q, k^T); S *= scale; P = softmax(S, -1); O = bmm(P, v)
@@ -69,6 +70,8 @@ def emit(obj):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--probe", action="store_true", help="print version information and exit")
+    ap.add_argument("--serve", action="store_true",
+                    help="answer dfss bench's requests on standard input (forward only; see serve())")
     ap.add_argument("--lengths", default="512,1024,2048,4096")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=12)
@@ -107,6 +110,8 @@ def env_info():
 
 def main(argv):
     args = parse_args(argv)
+    if args.serve and args.mode != "forward":
+        raise SystemExit("--serve: the forward only (got --mode %s)" % args.mode)
     info = {"python": sys.executable, "python_version": platform.python_version(), "env": env_info()}
     try:
         import torch
@@ -174,68 +179,156 @@ def main(argv):
         emit(info)
         return 0
 
+    def entry(L, dtype_name, method, draws):
+        return Entry(torch, args, B, H, L, d, scale, dtype_name, dtype_of[dtype_name], method, draws, bmm_attention,
+                     sdpa, sdpa_label, causal_mask)
+
+    if args.serve:
+        return serve(torch, args, info, entry)
+
     results = []
     with torch.inference_mode():
         for L in lengths:
-            q32 = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
-            k32 = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
-            v32 = torch.randn(B, H, L, d, generator=gen, dtype=torch.float32)
-            R = min(args.ref_rows, L)
-            for dtype_name, dtype, method in plan():
-                q, k, v = q32.to(dtype), k32.to(dtype), v32.to(dtype)
+            draws = [torch.randn(B, H, L, d, generator=gen, dtype=torch.float32) for _ in range(3)]
+            for dtype_name, _, method in plan():
                 row = {"B": B, "H": H, "L": L, "d": d, "dtype": dtype_name}
-                if method == "bmm":
-                    row["method"] = "bmm+softmax+bmm"
-                    fn = bmm_attention
-                    inputs = (q.reshape(B * H, L, d), k.reshape(B * H, L, d), v.reshape(B * H, L, d))
-                elif method == "sdpa":
-                    row["method"] = sdpa_label
-                    if sdpa is None:
-                        row["error"] = "torch %s has no scaled_dot_product_attention" % torch.__version__
-                        results.append(row)
-                        continue
-                    fn = sdpa
-                    inputs = (q, k, v)
-                else:
-                    row["method"] = method
-                    row["error"] = "unknown method"
-                    results.append(row)
-                    continue
                 try:
-                    t0 = time.perf_counter()
-                    out = fn(*inputs)
-                    first = time.perf_counter() - t0
-                    warmup = args.warmup if first < 1.0 else 1
-                    for _ in range(warmup - 1):
-                        out = fn(*inputs)
+                    e = entry(L, dtype_name, method, draws)
+                    row["method"] = e.label
                     iters = args.iters
-                    if first * iters > args.budget:
-                        iters = max(3, int(args.budget / max(first, 1e-9)))
-                    ms = []
-                    for _ in range(iters):
-                        t0 = time.perf_counter()
-                        out = fn(*inputs)
-                        ms.append((time.perf_counter() - t0) * 1e3)
-                    # Error on the first R query rows of every head (causal: the last R, whose keys
-                    # under the bottom-right mask are those of the full problem), against float64
-                    # of the same math.
-                    r0 = L - R if args.causal else 0
-                    qd, kd, vd = q[:, :, r0:r0 + R].double(), k.double(), v.double()
-                    sc = torch.matmul(qd, kd.transpose(-1, -2)) * scale
-                    if args.causal:
-                        sc = sc + causal_mask(R, L).double()
-                    ref = torch.softmax(sc, dim=-1) @ vd
-                    got = out.reshape(B, H, L, d)[:, :, r0:r0 + R].double()
+                    if e.first * iters > args.budget:
+                        iters = max(3, int(args.budget / max(e.first, 1e-9)))
+                    ms = [e.timed() for _ in range(iters)]
                     row.update({
                         "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
-                        "iters": iters, "max_err": float((got - ref).abs().max()),
+                        "iters": iters, "max_err": e.max_err(),
                     })
-                    del out
-                except Exception as e:  # noqa: BLE001 - report, keep going
-                    row["error"] = "%s: %s" % (type(e).__name__, e)
+                    del e
+                except Unsupported as x:
+                    row["method"], row["error"] = x.args
+                except Exception as x:  # noqa: BLE001 - report, keep going
+                    row.setdefault("method", method)
+                    row["error"] = "%s: %s" % (type(x).__name__, x)
                 results.append(row)
     info["results"] = results
     emit(info)
+    return 0
+
+
+class Unsupported(Exception):
+    """(method label, why): a method this torch does not have."""
+
+
+class Entry:
+    """One (L, dtype, method) of the forward: the fp32 @p draws rounded to the dtype, the first call
+    timed (self.first, seconds), then the warm-up calls."""
+
+    def __init__(self, torch, args, B, H, L, d, scale, dtype_name, dtype, method, draws, bmm_attention, sdpa,
+                 sdpa_label, causal_mask):
+        self.torch, self.args, self.scale, self.causal_mask = torch, args, scale, causal_mask
+        self.shape = (B, H, L, d)
+        q, k, v = (x.to(dtype) for x in draws)
+        self.q, self.k, self.v = q, k, v
+        if method == "bmm":
+            self.label, self.fn = "bmm+softmax+bmm", bmm_attention
+            self.inputs = (q.reshape(B * H, L, d), k.reshape(B * H, L, d), v.reshape(B * H, L, d))
+        elif method == "sdpa":
+            if sdpa is None:
+                raise Unsupported(sdpa_label, "torch %s has no scaled_dot_product_attention" % torch.__version__)
+            self.label, self.fn, self.inputs = sdpa_label, sdpa, (q, k, v)
+        else:
+            raise Unsupported(method, "unknown method")
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            self.out = self.fn(*self.inputs)
+            self.first = time.perf_counter() - t0
+            warmup = args.warmup if self.first < 1.0 else 1
+            for _ in range(warmup - 1):
+                self.out = self.fn(*self.inputs)
+
+    def timed(self):
+        """One timed call, in ms."""
+        with self.torch.inference_mode():
+            t0 = time.perf_counter()
+            self.out = self.fn(*self.inputs)
+            return (time.perf_counter() - t0) * 1e3
+
+    def max_err(self):
+        """Error on the first R query rows of every head (causal: the last R, whose keys under the
+        bottom-right mask are those of the full problem), against float64 of the same math."""
+        torch = self.torch
+        B, H, L, d = self.shape
+        R = min(self.args.ref_rows, L)
+        r0 = L - R if self.args.causal else 0
+        with torch.inference_mode():
+            qd, kd, vd = self.q[:, :, r0:r0 + R].double(), self.k.double(), self.v.double()
+            sc = torch.matmul(qd, kd.transpose(-1, -2)) * self.scale
+            if self.args.causal:
+                sc = sc + self.causal_mask(R, L).double()
+            ref = torch.softmax(sc, dim=-1) @ vd
+            got = self.out.reshape(B, H, L, d)[:, :, r0:r0 + R].double()
+            return float((got - ref).abs().max())
+
+
+def hand_off(torch, seconds=0.02):
+    """Keeps torch's threads busy for @p seconds (kHandOff of tools/cli/bench/bench.hpp): sums of
+    1 MiB, each split over the intra-op threads."""
+    x = torch.ones(1 << 18)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x.sum()
+
+
+def serve(torch, args, info, entry):
+    """--serve: dfss bench's co-process for the forward (not --mode backward), so that the torch
+    calls are timed round-robin with the dfss rows of the same length. Prints the info line with
+    "serving": true, then answers one request per line of standard input (JSON), one
+    DFSS_TORCH_JSON line each, until end of input:
+      {"cmd": "setup", "L", "dtype", "method"} -> {"id", "method", "first_ms"} (inputs drawn from
+          --seed + L, the first call timed, the warm-up calls made), or {"method", "error"}
+      {"cmd": "time", "id"} -> {"ms"}: one timed call
+      {"cmd": "check", "id"} -> {"max_err"}
+      {"cmd": "free"} -> {}: every entry released
+    Before a timed call it keeps torch's threads busy for 20 ms (hand_off): the other process's
+    OpenMP threads spin for a few ms after their last parallel region and would share the cores with
+    this call, and an idle gap instead would be timed into the call (kHandOff of
+    tools/cli/bench/bench.hpp). The first line, the info, carries "serving": true."""
+    info["serving"] = True
+    emit(info)
+    entries, draws = {}, {}
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        cmd = req.get("cmd")
+        try:
+            if cmd == "setup":
+                L, name, method = req["L"], req["dtype"], req["method"]
+                if L not in draws:
+                    gen = torch.Generator().manual_seed(args.seed + L)
+                    draws[L] = [torch.randn(args.batch, args.heads, L, args.head_dim, generator=gen,
+                                            dtype=torch.float32) for _ in range(3)]
+                key = "%d/%s/%s" % (L, name, method)
+                try:
+                    entries[key] = entry(L, name, method, draws[L])
+                    emit({"id": key, "method": entries[key].label, "first_ms": entries[key].first * 1e3})
+                except Unsupported as x:
+                    emit({"method": x.args[0], "error": x.args[1]})
+            elif cmd in ("time", "check") and req.get("id") not in entries:
+                emit({"error": "no entry %r set up" % (req.get("id"),)})
+            elif cmd == "time":
+                hand_off(torch)
+                emit({"ms": entries[req["id"]].timed()})
+            elif cmd == "check":
+                emit({"max_err": entries[req["id"]].max_err()})
+            elif cmd == "free":
+                entries.clear()
+                draws.clear()
+                emit({})
+            else:
+                emit({"error": "unknown request %r" % (cmd,)})
+        except Exception as x:  # noqa: BLE001 - report, keep serving
+            emit({"error": "%s: %s" % (type(x).__name__, x)})
     return 0
 
 

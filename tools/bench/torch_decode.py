@@ -150,6 +150,15 @@ class Case:
         return float((self.out.double() - ref).abs().max())
 
 
+def hand_off(torch, seconds=0.02):
+    """Keeps torch's threads busy for @p seconds (kHandOff of tools/cli/bench/bench.hpp): sums of
+    1 MiB, each split over the intra-op threads."""
+    x = torch.ones(1 << 18)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x.sum()
+
+
 def serve(args, info, torch, F):
     """--serve: dfss bench --decode's co-process. Prints the info line, then answers one request per
     line of standard input (JSON), one DFSS_TORCH_JSON line each, until end of input:
@@ -157,10 +166,11 @@ def serve(args, info, torch, F):
       {"cmd": "time"} -> {"ms"}: one timed call of the configuration set up last
       {"cmd": "check"} -> {"max_err"} (null past --ref-max-keys)
       {"cmd": "free"} -> {} (the configuration's tensors released)
-    Before a timed call it sleeps kHandOff: the other process's OpenMP threads spin for a few ms
-    after their last parallel region (4-7 ms of CPU measured on the 2-core Sapphire Rapids VM), and
-    would share the cores with this call; dfss bench sleeps as long before its own."""
-    hand_off = 0.02  # seconds; kHandOff of tools/cli/bench/decode.cpp
+    Before a timed call it keeps torch's threads busy for 20 ms (hand_off): the other process's
+    OpenMP threads spin for a few ms after their last parallel region and would share the cores with
+    this call, and an idle gap instead would be timed into the call (kHandOff of
+    tools/cli/bench/bench.hpp). The first line, the info, carries "serving": true."""
+    info["serving"] = True
     emit(info)
     flush = torch.ones(32 << 20, dtype=torch.float32)  # 128 MiB, dfss bench's kFlushBytes
     case = None
@@ -178,7 +188,7 @@ def serve(args, info, torch, F):
             elif cmd in ("time", "check") and case is None:
                 emit({"error": "no configuration set up"})
             elif cmd == "time":
-                time.sleep(hand_off)
+                hand_off(torch)
                 emit({"ms": case.timed(flush)})
             elif cmd == "check":
                 emit({"max_err": case.max_err()})

@@ -326,16 +326,41 @@ int run_bench() {
     std::vector<std::string> notes;
     std::vector<torch_peer> peers;
     if (!o.no_torch) peers = probe_torch_peers(notes);
+    // The forward's first torch 2.x peer is served: its calls join the dfss rows' round-robin of each
+    // length (torch_server). The others, the backward, and a script that does not serve run as a child
+    // after the dfss rows of each round (bench_torch).
+    std::unique_ptr<torch_server> served;
+    if (!o.backward) {
+      for (auto it = peers.begin(); it != peers.end(); ++it) {
+        if (it->version.empty() || it->version[0] == '1' || it->sdpa != "public") continue;
+        std::ostringstream args;
+        args << "--batch " << o.batch << " --heads " << o.heads << " --head-dim " << o.head_dim << " --threads "
+             << o.threads << " --warmup " << o.warmup << " --seed " << o.seed << " --ref-rows " << o.ref_rows
+             << (o.causal ? " --causal" : "");
+        served = std::make_unique<torch_server>(*it, find_torch_script(), args.str());
+        if (served->alive()) {
+          notes.push_back("torch " + it->version + " (" + it->python + "): timed round-robin with the dfss rows: " +
+                          served->command());
+          peers.erase(it);
+        } else {
+          notes.push_back("torch " + it->version + ": not served (" + served->why() + "), run after the dfss rows");
+          served.reset();
+        }
+        break;
+      }
+    }
     for (const auto& peer : peers) g_progress.add_rows(o.rounds * (runs_tuned(peer) ? 2 : 1));
-    // Each round: every dfss row, then the torch peers (their notes, the same every round, from round 1).
+    // Each round: every dfss row (with the served peer's calls), then the other torch peers (their
+    // notes, the same every round, from round 1).
     std::vector<std::vector<row>> rounds(static_cast<std::size_t>(o.rounds));
     const bool no_ref = o.no_ref;
     for (int k = 0; k < o.rounds; ++k) {
       if (k > 0) o.no_ref = true;  // the error columns come from round 1
-      for (long long L : o.lengths) bench_length(L, type, rounds[static_cast<std::size_t>(k)], sg);
+      for (long long L : o.lengths) bench_length(L, type, rounds[static_cast<std::size_t>(k)], sg, served.get());
       std::vector<std::string> round_notes;
       if (!peers.empty()) bench_torch(peers, rounds[static_cast<std::size_t>(k)], k == 0 ? notes : round_notes);
     }
+    served.reset();  // the co-process ends with its input
     o.no_ref = no_ref;
     sg.finish();
     g_progress.done();

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -259,12 +260,52 @@ bool read_torch_json(const std::string& output, json& out);
 std::string torch_env(bool tuned);
 void bench_torch(const std::vector<torch_peer>& peers, std::vector<row>& rows, std::vector<std::string>& notes);
 
+/// How long hand_off() keeps the threads busy before a timed call that follows the other process's
+/// (dfss's after torch's, torch's after dfss's): an OpenMP runtime's threads spin for a while after
+/// their last parallel region (libgomp's default: 4-7 ms of CPU measured on the 2-core Sapphire
+/// Rapids VM) and would share the cores with the other process's timed call. Busy, not asleep: on
+/// that VM the first parallel region after 20 ms of sleep took 4.5-7 ms instead of 2 us (the idle
+/// vCPUs wake slowly), so an idle gap would be timed into the next call.
+inline constexpr auto kHandOff = std::chrono::milliseconds(20);
+/// Keeps --threads OpenMP threads busy for kHandOff (see there). The served scripts do as much
+/// with torch's threads before each of their timed calls.
+void hand_off();
+
+/// A torch script of tools/bench/ run with --serve as a co-process for the whole run
+/// (harness::coprocess), so that torch's calls are timed one at a time, round-robin with the dfss
+/// rows they are compared with, instead of in a child after all of them (the host moves between the
+/// two phases by more than the kernels' margins). Requests and answers are JSON lines.
+class torch_server {
+ public:
+  /// Starts `@p script --serve @p args` under @p peer's interpreter with the thread variables; not
+  /// alive(), the reason in why(), unless it answers a first line with "serving": true (a script
+  /// that does not serve falls back to the child run of bench_torch).
+  torch_server(const torch_peer& peer, const std::string& script, const std::string& args);
+  bool alive() const { return child_ != nullptr && child_->alive(); }
+  const std::string& command() const { return command_; }
+  const std::string& why() const { return why_; }
+  /// The first line's fields (python_version, torch_version, ...).
+  const json& hello() const { return hello_; }
+  /// One request's answer, or {"error": why} (the co-process gone, or an unreadable answer).
+  json ask(const json& request);
+
+ private:
+  std::string command_, why_;
+  json hello_;
+  std::unique_ptr<harness::coprocess> child_;
+};
+
 // ---------------------------------------------------------------------------------------------
 // dfss rows (dfss_rows.cpp)
 // ---------------------------------------------------------------------------------------------
 
 int dfss_rows_per_length();
-void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result& sg);
+/// The dfss rows of length @p L, timed round-robin with one sgemm yardstick call per turn and, when
+/// @p torch is alive, one call of each of its entries for L (torch_entries) per turn.
+void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result& sg, torch_server* torch);
+/// The (torch dtype, method) entries the forward times per length: fp32 bmm and sdpa, plus sdpa in the
+/// dfss input type when it is 16-bit (what bench_torch asks the child for).
+std::vector<std::pair<std::string, std::string>> torch_entries();
 std::string dense_kernel_name(dtype type);
 
 // ---------------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
-#include <thread>
 
 #include "cli/bench/bench.hpp"
 #include "cli/commands.hpp"
@@ -49,12 +48,6 @@ namespace {
 /// level (32 MiB on the Zen 3 and Zen 4 parts we run on; a cache sweep timed right after the dfss
 /// rows read a 16 MiB cache at 63 against 29 GB/s). Four times that, so that it is gone.
 constexpr std::size_t kFlushBytes = std::size_t{128} << 20;
-
-/// Idle time before a timed call that follows the other process's (dfss's after SDPA's, SDPA's after
-/// dfss's): an OpenMP runtime's threads spin for a while after their last parallel region (libgomp's
-/// default: 4-7 ms of CPU measured on the 2-core Sapphire Rapids VM), and would share the cores with
-/// the other process's timed call. torch_decode.py's serve() sleeps as long before its own.
-constexpr auto kHandOff = std::chrono::milliseconds(20);
 
 /// Longest cache checked against the fp64 reference: its copy of K and V in fp64 is 4x the fp32 cache
 /// (2 GiB at Lk = 16384 with 32 kv heads), and longer caches add no new code path.
@@ -183,10 +176,10 @@ std::uint64_t sweep_half(const sweep_part& whole, const sweep_part& rows, std::s
 }
 
 /// PyTorch 2.x SDPA on the same cache shape: tools/bench/torch_decode.py --serve as a co-process
-/// (one for the whole run), told to set up each configuration and to time one call at a time, so
-/// that its calls are timed round-robin with the dfss rows and the sweeps. Until issue 14's Sapphire
-/// Rapids runs SDPA ran in a child after all dfss rows of a round, on a host that had moved on by then
-/// (a busy host once took SDPA to 5-12x its usual time: docs/benchmarks.md).
+/// (torch_server, one for the whole run), told to set up each configuration and to time one call at
+/// a time, so that its calls are timed round-robin with the dfss rows and the sweeps. Until
+/// 2026-12-05 SDPA ran in a child after all dfss rows of a round, on a host that had moved on by
+/// then (a busy host once took SDPA to 5-12x its usual time: docs/benchmarks.md).
 class sdpa_peer {
  public:
   /// Starts the co-process of the newest torch 2.x interpreter of --python; where there is none, or
@@ -204,49 +197,29 @@ class sdpa_peer {
     }
     std::string script = find_torch_script();
     script = script.substr(0, script.rfind('/')) + "/torch_decode.py";
-    std::ostringstream cmd;
-    cmd << torch_env(false) << shell_quote(peer->python) << " " << shell_quote(script) << " --serve --batch "
-        << g_opt.batch << " --query-rows " << g_opt.query_rows << " --head-dim " << g_opt.head_dim << " --threads "
-        << g_opt.threads << " --seed " << g_opt.seed << " --cache-layout " << g_opt.cache_layout
-        << " --ref-max-keys " << kDecodeRefKeys;
-    command_ = cmd.str();
+    std::ostringstream args;
+    args << "--batch " << g_opt.batch << " --query-rows " << g_opt.query_rows << " --head-dim " << g_opt.head_dim
+         << " --threads " << g_opt.threads << " --seed " << g_opt.seed << " --cache-layout " << g_opt.cache_layout
+         << " --ref-max-keys " << kDecodeRefKeys;
     log_stderr("  torch %s (%s): SDPA decode, a co-process\n", peer->version.c_str(), peer->python.c_str());
-    child_ = std::make_unique<harness::coprocess>(command_);
-    json hello;
-    const auto line = child_->read_line(kPrefix);
-    if (!line || !parse(*line, hello) || hello.contains("error")) {
-      notes.push_back("torch " + peer->version + ": the decode script did not start (" +
-                      (line ? *line : std::string("no answer")) + "); run it by hand: " + command_);
-      child_.reset();
+    server_ = std::make_unique<torch_server>(*peer, script, args.str());
+    if (!server_->alive()) {
+      notes.push_back("torch " + peer->version + ": the decode script did not start (" + server_->why() +
+                      "); run it by hand: " + server_->command());
+      server_.reset();
       return;
     }
     name_ = "torch " + peer->version + " sdpa";
     notes.push_back("torch " + peer->version + " (" + peer->python + "), timed round-robin with the dfss rows: " +
-                    command_);
+                    server_->command());
   }
-  bool alive() const { return child_ != nullptr && child_->alive(); }
+  bool alive() const { return server_ != nullptr && server_->alive(); }
   const std::string& name() const { return name_; }
-  /// One request's answer, or {"error": why} (the co-process gone, or what it said went wrong).
-  json ask(const json& req) {
-    json answer;
-    const auto line = alive() ? child_->request(req.dump(), kPrefix) : std::nullopt;
-    if (!line) return json{{"error", "the SDPA co-process ended (run it by hand: " + command_ + ")"}};
-    if (!parse(*line, answer) || !answer.is_object()) return json{{"error", "unreadable answer: " + *line}};
-    return answer;
-  }
+  json ask(const json& req) { return server_->ask(req); }
 
  private:
-  static constexpr const char* kPrefix = "DFSS_TORCH_JSON ";
-  static bool parse(const std::string& text, json& out) {
-    try {
-      out = json::parse(text);
-      return true;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }
-  std::string command_, name_;
-  std::unique_ptr<harness::coprocess> child_;
+  std::string name_;
+  std::unique_ptr<torch_server> server_;
 };
 
 /// The dfss rows, the memory sweeps and SDPA (@p sdpa, when alive) of one configuration, timed
@@ -387,7 +360,7 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
       } else {
         sdpa_ms.push_back(get_num(t, "ms"));
       }
-      std::this_thread::sleep_for(kHandOff);
+      hand_off();
     }
   }
   g_rows_done += static_cast<int>(runs.size()) + 1 + (with_sdpa ? 1 : 0);

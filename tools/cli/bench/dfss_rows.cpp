@@ -128,7 +128,7 @@ int dfss_rows_per_length() {
   return n;
 }
 
-void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result& sg) {
+void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result& sg, torch_server* torch) {
   const std::int64_t B = g_opt.batch, H = g_opt.heads, d = g_opt.head_dim;
   const auto n = static_cast<std::size_t>(B * L * H * d);
   std::mt19937_64 rng(g_opt.seed + static_cast<unsigned long long>(L));
@@ -221,7 +221,46 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     s->target = timed_iterations(first);
     s->r.ok = true;
   }
-  // Timed calls, round-robin over the configurations (and one sgemm yardstick call per round).
+  // The torch entries of this length in the co-process (its own inputs, drawn alike): first call,
+  // warm-up and the iteration count as the dfss rows'.
+  struct served {
+    row r;
+    std::string id;
+    int target = 0;
+    std::vector<double> ms;
+  };
+  std::vector<served> peers;
+  if (torch != nullptr && torch->alive()) {
+    const std::string version = get_str(torch->hello(), "torch_version");
+    for (const auto& [dtype_name, method] : torch_entries()) {
+      served e;
+      e.r.source = "torch";
+      e.r.B = B;
+      e.r.H = H;
+      e.r.L = L;
+      e.r.d = d;
+      e.r.pattern = "dense";
+      e.r.isa = "-";
+      e.r.dtype = dtype_name;
+      e.r.kernel = "python " + get_str(torch->hello(), "python_version") + " " + dtype_name;
+      log_stderr("  L=%lld torch %s %s %s: first call and warmup\n", L, version.c_str(), method.c_str(),
+                 dtype_name.c_str());
+      const json ready = torch->ask({{"cmd", "setup"}, {"L", L}, {"dtype", dtype_name}, {"method", method}});
+      e.r.algorithm = "torch " + version + " " + (ready.contains("method") ? get_str(ready, "method") : method);
+      if (ready.contains("error")) {
+        e.r.reason = get_str(ready, "error");
+      } else {
+        e.r.ok = true;
+        e.id = get_str(ready, "id");
+        e.target = timed_iterations(get_num(ready, "first_ms"));
+      }
+      peers.push_back(std::move(e));
+    }
+    hand_off();
+  }
+
+  // Timed calls, round-robin over the configurations (one sgemm yardstick call and one call of each
+  // torch entry per round).
   for (int it = 0;; ++it) {
     if (it < g_opt.iters)
       g_progress.show(first_row, static_cast<int>(runs.size()),
@@ -242,8 +281,33 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
       }
       s->ms.push_back(t);
     }
+    bool asked = false;
+    for (auto& e : peers) {
+      if (!e.r.ok || it >= e.target) continue;
+      any = asked = true;
+      const json t = torch->ask({{"cmd", "time"}, {"id", e.id}});
+      if (t.contains("error")) {
+        e.r.ok = false;
+        e.r.reason = get_str(t, "error");
+      } else {
+        e.ms.push_back(get_num(t, "ms"));
+      }
+    }
+    if (asked) hand_off();
     if (!any) break;
   }
+  for (auto& e : peers) {
+    e.r.iters = static_cast<int>(e.ms.size());
+    if (e.r.ok) {
+      e.r.ms = summarize(e.ms);
+      e.r.gflops = attention_flops(B, H, L, d) / (e.r.ms.median * 1e6);
+      if (!g_opt.no_ref) {
+        const json err = torch->ask({{"cmd", "check"}, {"id", e.id}});
+        if (err.contains("max_err") && err["max_err"].is_number()) e.r.max_err = get_num(err, "max_err");
+      }
+    }
+  }
+  if (!peers.empty()) torch->ask({{"cmd", "free"}});
 
   g_rows_done += static_cast<int>(runs.size());
   // --backward: the gradient error on the reduced problem (see backward_max_error).
@@ -310,6 +374,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     r.max_err = err;
   }
   for (auto& s : runs) rows.push_back(std::move(s->r));
+  for (auto& e : peers) rows.push_back(std::move(e.r));
 }
 
 /// The selector's kernel for dense fused attention of the sweep's first shape and --isa (the header's

@@ -129,4 +129,13 @@ dtype parse_dtype(const std::string& s) {
 cpu_algorithm parse_cpu_algorithm_arg(const std::string& s) { return parse_cpu_algorithm(s, "--algorithms"); }
 cpu_isa parse_cpu_isa_arg(const std::string& s) { return parse_cpu_isa(s, "--isa"); }
 
+void hand_off() {
+  const auto end = std::chrono::steady_clock::now() + kHandOff;
+#pragma omp parallel num_threads(g_opt.threads)
+  {
+    while (std::chrono::steady_clock::now() < end) {
+    }
+  }
+}
+
 }  // namespace dfss::cli::bench

@@ -145,4 +145,31 @@ void bench_torch(const std::vector<torch_peer>& peers, std::vector<row>& rows, s
   }
 }
 
+torch_server::torch_server(const torch_peer& peer, const std::string& script, const std::string& args) {
+  command_ = torch_env(false) + shell_quote(peer.python) + " " + shell_quote(script) + " --serve " + args;
+  child_ = std::make_unique<harness::coprocess>(command_);
+  const auto line = child_->read_line("DFSS_TORCH_JSON ");
+  if (!line || !read_torch_json("DFSS_TORCH_JSON " + *line, hello_) || !hello_.is_object() ||
+      !hello_.value("serving", false)) {
+    why_ = line ? "its first answer is not a serving one: " + *line : "it gave no answer";
+    child_.reset();
+  }
+}
+
+json torch_server::ask(const json& request) {
+  const auto line = alive() ? child_->request(request.dump(), "DFSS_TORCH_JSON ") : std::nullopt;
+  if (!line) return json{{"error", "the torch co-process ended (run it by hand: " + command_ + ")"}};
+  json answer;
+  if (!read_torch_json("DFSS_TORCH_JSON " + *line, answer) || !answer.is_object())
+    return json{{"error", "unreadable answer of the torch co-process: " + *line}};
+  return answer;
+}
+
+std::vector<std::pair<std::string, std::string>> torch_entries() {
+  std::vector<std::pair<std::string, std::string>> out = {{"fp32", "bmm"}, {"fp32", "sdpa"}};
+  const std::string label = dtype_label(g_opt.dtype_name);
+  if (label != "fp32") out.emplace_back(label, "sdpa");
+  return out;
+}
+
 }  // namespace dfss::cli::bench

@@ -59,7 +59,16 @@ for line in sys.stdin:
     log.flush()
     if req["cmd"] == "setup":
         dtype = req["dtype"]
-        if dtype in FAIL:
+        shared = req.get("shared", {})
+        try:  # the bench's own q, K and V: readable, and as long as its offsets say
+            with open(shared["file"], "rb") as f:
+                f.seek(0, 2)
+                readable = f.tell() > shared["v"] > shared["k"] > shared["q"] == 0
+        except (KeyError, OSError):
+            readable = False
+        if not readable:
+            emit({"error": "the shared cache is not readable: %r" % (shared,)})
+        elif dtype in FAIL:
             emit({"error": "RuntimeError: stub refuses " + dtype})
         else:
             emit({"kv_bytes": 1e6, "method": "stub sdpa"})
@@ -386,6 +395,9 @@ def main():
         rows = json.load(open(out))["rows"]
         sdpa = [r for r in rows if r["row"] == "torch 2.99.0 sdpa"]
         reqs = [json.loads(l) for l in open(decode_stub + ".log")]
+        shared = [q.pop("shared", None) for q in reqs if q["cmd"] == "setup"]
+        check(shared and all(x is not None and x["k"] % 4096 == 0 and x["v"] % 4096 == 0 for x in shared),
+              "%s: every setup names the bench's memory of q, K and V, page-aligned (got %r)" % (what, shared[:2]))
         if die_after == 0:
             want = []
             for _ in range(3):

@@ -102,7 +102,7 @@ class Case:
     """One configuration's SDPA step: q [B, H, Lq, d] and the cache (standard normal from @p gen) in
     --cache-layout memory, the bottom-right causal mask for Lq > 1, two untimed calls."""
 
-    def __init__(self, torch, F, args, Lk, H, Hkv, name, gen):
+    def __init__(self, torch, F, args, Lk, H, Hkv, name, gen, shared=None):
         dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
         B, Lq, d = args.batch, args.query_rows, args.head_dim
         self.torch, self.F, self.H, self.Hkv, self.Lk = torch, F, H, Hkv, Lk
@@ -111,15 +111,29 @@ class Case:
         self.mask = None
         if Lq > 1:  # bottom-right causal: query i sees keys j <= i + Lk - Lq
             self.mask = torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=Lk - Lq)
-        self.q = torch.randn(B, H, Lq, d, generator=gen).to(dt)
-        if args.cache_layout == "blhd":
-            self.k = torch.randn(B, Lk, Hkv, d, generator=gen).to(dt).transpose(1, 2)
-            self.v = torch.randn(B, Lk, Hkv, d, generator=gen).to(dt).transpose(1, 2)
+        cache_shape = (B, Lk, Hkv, d) if args.cache_layout == "blhd" else (B, Hkv, Lk, d)
+        if shared is not None:
+            # dfss bench's own q ([B, Lq, H, d]), K and V, mapped from its memory (shared_cache).
+            n_q, n_kv = B * Lq * H * d, B * Hkv * Lk * d
+            size = dt.itemsize if hasattr(dt, "itemsize") else torch.tensor([], dtype=dt).element_size()
+            raw = torch.from_file(shared["file"], shared=True, size=shared["out"] + n_q * 4, dtype=torch.uint8)
+            self.shared_out = raw[shared["out"]:shared["out"] + n_q * 4].view(torch.float32).view(B, Lq, H, d)
+
+            def part(at, n, shape):
+                return raw[at:at + n * size].view(dt).view(shape)
+            self.q = part(shared["q"], n_q, (B, Lq, H, d)).transpose(1, 2)
+            self.k = part(shared["k"], n_kv, cache_shape)
+            self.v = part(shared["v"], n_kv, cache_shape)
         else:
-            self.k = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
-            self.v = torch.randn(B, Hkv, Lk, d, generator=gen).to(dt)
+            self.shared_out = None
+            self.q = torch.randn(B, H, Lq, d, generator=gen).to(dt)
+            self.k = torch.randn(*cache_shape, generator=gen).to(dt)
+            self.v = torch.randn(*cache_shape, generator=gen).to(dt)
+        if args.cache_layout == "blhd":
+            self.k, self.v = self.k.transpose(1, 2), self.v.transpose(1, 2)
         self.row = {"Lq": Lq, "B": B, "d": d, "kv_bytes": 2 * self.k.numel() * self.k.element_size(),
-                    "method": "sdpa enable_gqa" + (" bottom-right mask" if self.mask is not None else "")}
+                    "method": "sdpa enable_gqa" + (" bottom-right mask" if self.mask is not None else "") +
+                    (", same memory" if shared is not None else "")}
         self.out = self.step()
         self.out = self.step()
 
@@ -162,9 +176,12 @@ def hand_off(torch, seconds=0.02):
 def serve(args, info, torch, F):
     """--serve: dfss bench --decode's co-process. Prints the info line, then answers one request per
     line of standard input (JSON), one DFSS_TORCH_JSON line each, until end of input:
-      {"cmd": "setup", "Lk", "H", "Hkv", "dtype"} -> the row's fields, or {"error"}
+      {"cmd": "setup", "Lk", "H", "Hkv", "dtype"[, "shared": {"file", "q", "k", "v"}]} -> the row's
+          fields, or {"error"}; with "shared" q ([B, Lq, H, d]), K and V are read from that file
+          (dfss bench's memory) at those byte offsets, otherwise drawn here
       {"cmd": "time"} -> {"ms"}: one timed call of the configuration set up last
-      {"cmd": "check"} -> {"max_err"} (null past --ref-max-keys)
+      {"cmd": "check"} -> {"max_err"} (null past --ref-max-keys), and with "shared" the output
+          written there at byte offset "out" (fp32 [B, Lq, H, d]) and "wrote_out": true
       {"cmd": "free"} -> {} (the configuration's tensors released)
     Before a timed call it keeps torch's threads busy for 20 ms (hand_off): the other process's
     OpenMP threads spin for a few ms after their last parallel region and would share the cores with
@@ -183,7 +200,7 @@ def serve(args, info, torch, F):
             if cmd == "setup":
                 case = None
                 gen = torch.Generator().manual_seed(args.seed + req["Lk"] * 131 + req["Hkv"])
-                case = Case(torch, F, args, req["Lk"], req["H"], req["Hkv"], req["dtype"], gen)
+                case = Case(torch, F, args, req["Lk"], req["H"], req["Hkv"], req["dtype"], gen, req.get("shared"))
                 emit(case.row)
             elif cmd in ("time", "check") and case is None:
                 emit({"error": "no configuration set up"})
@@ -191,7 +208,11 @@ def serve(args, info, torch, F):
                 hand_off(torch)
                 emit({"ms": case.timed(flush)})
             elif cmd == "check":
-                emit({"max_err": case.max_err()})
+                answer = {"max_err": case.max_err()}
+                if case.shared_out is not None:  # the output for dfss bench's own fp64 reference
+                    case.shared_out.copy_(case.out.transpose(1, 2))
+                    answer["wrote_out"] = True
+                emit(answer)
             elif cmd == "free":
                 case = None
                 emit({})

@@ -1,7 +1,9 @@
 // `dfss bench`: the benchmark table of the CPU backend, with its peers measured in the same run.
 //
 // Rows: every (shape, pattern, algorithm) of dfss on the cpu backend, then PyTorch (each Python
-// interpreter that imports torch, run as a child process with the same thread count), then the
+// interpreter that imports torch, with the same thread count: the forward's first torch 2.x one as a
+// co-process whose calls join the round-robin of each length, torch_server; the others, and the
+// backward, as a child process after the dfss rows of each round), then the
 // OpenBLAS sgemm 2048^3 yardstick (loaded with dlopen when the library is installed, so the build
 // needs no BLAS). Columns: median / min / max milliseconds, dense-equivalent GFLOP/s (4 Lq Lk d per
 // head for every pattern, so the column is proportional to 1 / time), speedup against dfss dense
@@ -15,10 +17,10 @@
 // are timed round-robin (one call of each in turn) so that the noise of a shared machine falls on
 // all of them alike.
 //
-// `dfss bench --rounds R` repeats the whole sweep (every dfss row, then the torch peers) R times and
-// reports each row's median of its rounds' medians and each ratio's median over the rounds, with the
-// per-round ratios against SDPA in the notes: on a shared machine the load drifts between the dfss
-// phase and the torch phase of one sweep, and only repeated rounds show by how much.
+// `dfss bench --rounds R` repeats the whole sweep (every dfss row, then the torch children) R times
+// and reports each row's median of its rounds' medians and each ratio's median over the rounds, with
+// the per-round ratios against SDPA in the notes: on a shared machine the load drifts between the
+// dfss phase and a torch child's phase of one sweep, and only repeated rounds show by how much.
 //
 // `dfss bench --backward` makes the same table for training: every dfss row times one forward call
 // (writing O and LSE) followed by one backward call (given O, LSE and a fixed random dO), fused

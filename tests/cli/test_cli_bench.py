@@ -210,7 +210,7 @@ def main():
         out_json = os.path.join(tmp, "bench_served_%s.json" % dtype)
         p = run(exe, ["--lengths", "32,48", "--heads", "1", "--iters", "3", "--warmup", "1", "--no-sgemm",
                       "--no-torch-tuned", "--dtype", dtype, "--python", sys.executable, "--torch-script", serve_stub,
-                      "--json", out_json, "--causal"])
+                      "--json", out_json, "--causal", "--progress"])
         what = "served %s" % dtype
         check(p.returncode == 0, "%s: exit status 0 (got %d: %s)" % (what, p.returncode, p.stderr[-300:]))
         if p.returncode != 0:
@@ -229,6 +229,10 @@ def main():
         check(started.count("--serve") == 1 and "--causal" in started,
               "%s: one co-process for the run, told --causal (got %r)" % (what, started))
         check("timed round-robin with the dfss rows" in p.stdout, "%s: the notes say the peer is served" % what)
+        total = 2 * (5 + len(entries))  # per length: the dfss rows and the served entries
+        prog = [l for l in p.stderr.splitlines() if l.startswith("[dfss bench] ")]
+        check(any(l.startswith("[dfss bench] rows %d-%d of %d (0 left)" % (6 + len(entries), total, total)) for l in prog),
+              "%s: the progress line counts the served rows, down to 0 left (got %r)" % (what, prog[-1:]))
         j = json.load(open(out_json))
         torch_rows = [r for r in j["rows"] if r["source"] == "torch"]
         check(sorted((r["L"], r["dtype"], r["algorithm"]) for r in torch_rows) ==
@@ -428,8 +432,9 @@ def main():
         else:
             check(len([q for q in reqs if q["cmd"] == "time"]) == die_after,
                   "%s: the co-process was asked for time until it died" % what)
-            check(sdpa and all(not r["ok"] and "co-process ended" in r["reason"] for r in sdpa),
-                  "%s: the SDPA rows are not run, saying why (got %r)" % (what, [r["reason"] for r in sdpa]))
+            check(len(sdpa) == 4 and all(not r["ok"] and "co-process ended" in r["reason"] for r in sdpa),
+                  "%s: every configuration's SDPA row is not run, saying why (got %r)"
+                  % (what, [r["reason"] for r in sdpa]))
             dfss = [x for x in rows if x["row"].startswith("dfss")]
             check(len(dfss) == 8 and all(x["ok"] and x["max_err"] < 1e-5 for x in dfss),
                   "%s: the dfss rows are measured" % what)

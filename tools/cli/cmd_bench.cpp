@@ -351,6 +351,8 @@ int run_bench() {
         break;
       }
     }
+    if (served != nullptr)  // its entries are rows of each length
+      g_progress.add_rows(o.rounds * static_cast<int>(o.lengths.size() * torch_entries().size()));
     for (const auto& peer : peers) g_progress.add_rows(o.rounds * (runs_tuned(peer) ? 2 : 1));
     // Each round: every dfss row (with the served peer's calls), then the other torch peers (their
     // notes, the same every round, from round 1).

@@ -215,7 +215,10 @@ class sdpa_peer {
                     server_->command());
   }
   bool alive() const { return server_ != nullptr && server_->alive(); }
+  /// Whether it started (then name() is its row's name), alive or not since.
+  bool started() const { return !name_.empty(); }
   const std::string& name() const { return name_; }
+  const std::string& command() const { return server_->command(); }
   json ask(const json& req) { return server_->ask(req); }
 
  private:
@@ -480,6 +483,13 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
       if (check) r.max_err = error_of(s->out.data(), s->cfg);
     }
     rows.push_back(r);
+  }
+  if (!with_sdpa && sdpa != nullptr && sdpa->started()) {  // it ended in an earlier configuration
+    sdpa_row.c = c;
+    sdpa_row.what = sdpa->name();
+    sdpa_row.kernel = "-";
+    sdpa_row.reason = "the SDPA co-process ended earlier (run it by hand: " + sdpa->command() + ")";
+    rows.push_back(sdpa_row);
   }
   if (with_sdpa) {
     if (sdpa_row.ok) {

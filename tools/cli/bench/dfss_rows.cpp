@@ -263,7 +263,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   // torch entry per round).
   for (int it = 0;; ++it) {
     if (it < g_opt.iters)
-      g_progress.show(first_row, static_cast<int>(runs.size()),
+      g_progress.show(first_row, static_cast<int>(runs.size() + peers.size()),
                       "L=" + std::to_string(L) + ": timed round " + std::to_string(it + 1) + " of up to " +
                           std::to_string(g_opt.iters));
     if (it < g_opt.iters) sg.time_one();
@@ -309,7 +309,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
   }
   if (!peers.empty()) torch->ask({{"cmd", "free"}});
 
-  g_rows_done += static_cast<int>(runs.size());
+  g_rows_done += static_cast<int>(runs.size() + peers.size());
   // --backward: the gradient error on the reduced problem (see backward_max_error).
   if (g_opt.backward) {
     for (auto& s : runs) {

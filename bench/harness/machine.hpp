@@ -33,7 +33,7 @@ std::string capture(const std::string& command, int* exit_status = nullptr);
 /// @brief A child process talked to line by line: `/bin/sh -c command` with its standard input and
 /// output on pipes (standard error inherited). A request is one line written; its answer the next
 /// line of output that starts with a given prefix (other lines, e.g. warnings, are skipped). Used
-/// where a peer's calls must be timed round-robin with ours (`dfss bench --decode`'s SDPA).
+/// where a peer's calls must be timed round-robin with ours (`dfss bench`'s served torch peer).
 /// SIGPIPE is ignored while one lives, so that a child that died makes a request fail, not the
 /// process.
 class coprocess {

@@ -235,7 +235,7 @@ class sdpa_peer {
 class shared_cache {
  public:
   explicit shared_cache(std::size_t bytes) : bytes_(bytes) {
-    fd_ = static_cast<int>(memfd_create("dfss-bench-decode-cache", 0));
+    fd_ = static_cast<int>(memfd_create("dfss-bench-decode-cache", MFD_CLOEXEC));  // opened by path, not inherited
     if (fd_ < 0) return;
     if (ftruncate(fd_, static_cast<off_t>(bytes)) != 0) return;
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);

@@ -7,6 +7,7 @@ variables OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS already set i
 It prints one line "DFSS_TORCH_JSON {...}" that dfss bench parses; everything else it prints is
 informational. For the forward of a torch 2.x interpreter dfss bench runs it with --serve instead, as
 a co-process whose calls are timed round-robin with the dfss rows of the same length (serve()).
+It imports torch_serve.py from its own folder (installed beside it).
 
 Methods (both non-causal, no mask, scale 1/sqrt(d), under torch.inference_mode / no_grad):
   bmm   q, k, v as [B*H, L, d]: S = bmm(q, k^T); S *= scale; P = softmax(S, -1); O = bmm(P, v)
@@ -40,7 +41,6 @@ Usage (normally invoked by dfss bench):
   python3 tools/bench/torch_attention.py --probe      # version information only
 """
 import argparse
-import json
 import math
 import os
 import platform
@@ -48,24 +48,7 @@ import statistics
 import sys
 import time
 
-PREFIX = "DFSS_TORCH_JSON "
-
-
-def _finite(x):
-    """The object with non-finite floats replaced by None: strict JSON (null), which dfss reads as NaN."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
-def emit(obj):
-    sys.stdout.write(PREFIX + json.dumps(_finite(obj), allow_nan=False) + "\n")
-    sys.stdout.flush()
-
+from torch_serve import emit, hand_off, serve_requests
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -270,15 +253,6 @@ class Entry:
             return float((got - ref).abs().max())
 
 
-def hand_off(torch, seconds=0.02):
-    """Keeps torch's threads busy for @p seconds (kHandOff of tools/cli/bench/bench.hpp): sums of
-    1 MiB, each split over the intra-op threads."""
-    x = torch.ones(1 << 18)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        x.sum()
-
-
 def serve(torch, args, info, entry):
     """--serve: dfss bench's co-process for the forward (not --mode backward), so that the torch
     calls are timed round-robin with the dfss rows of the same length. Prints the info line with
@@ -289,47 +263,37 @@ def serve(torch, args, info, entry):
       {"cmd": "time", "id"} -> {"ms"}: one timed call
       {"cmd": "check", "id"} -> {"max_err"}
       {"cmd": "free"} -> {}: every entry released
-    Before a timed call it keeps torch's threads busy for 20 ms (hand_off): the other process's
-    OpenMP threads spin for a few ms after their last parallel region and would share the cores with
-    this call, and an idle gap instead would be timed into the call (kHandOff of
-    tools/cli/bench/bench.hpp). The first line, the info, carries "serving": true."""
-    info["serving"] = True
-    emit(info)
+    Before a timed call it keeps torch's threads busy for 20 ms (torch_serve.hand_off)."""
     entries, draws = {}, {}
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
+
+    def handle(req):
         cmd = req.get("cmd")
-        try:
-            if cmd == "setup":
-                L, name, method = req["L"], req["dtype"], req["method"]
-                if L not in draws:
-                    gen = torch.Generator().manual_seed(args.seed + L)
-                    draws[L] = [torch.randn(args.batch, args.heads, L, args.head_dim, generator=gen,
-                                            dtype=torch.float32) for _ in range(3)]
-                key = "%d/%s/%s" % (L, name, method)
-                try:
-                    entries[key] = entry(L, name, method, draws[L])
-                    emit({"id": key, "method": entries[key].label, "first_ms": entries[key].first * 1e3})
-                except Unsupported as x:
-                    emit({"method": x.args[0], "error": x.args[1]})
-            elif cmd in ("time", "check") and req.get("id") not in entries:
-                emit({"error": "no entry %r set up" % (req.get("id"),)})
-            elif cmd == "time":
-                hand_off(torch)
-                emit({"ms": entries[req["id"]].timed()})
-            elif cmd == "check":
-                emit({"max_err": entries[req["id"]].max_err()})
-            elif cmd == "free":
-                entries.clear()
-                draws.clear()
-                emit({})
-            else:
-                emit({"error": "unknown request %r" % (cmd,)})
-        except Exception as x:  # noqa: BLE001 - report, keep serving
-            emit({"error": "%s: %s" % (type(x).__name__, x)})
-    return 0
+        if cmd == "setup":
+            L, name, method = req["L"], req["dtype"], req["method"]
+            if L not in draws:
+                gen = torch.Generator().manual_seed(args.seed + L)
+                draws[L] = [torch.randn(args.batch, args.heads, L, args.head_dim, generator=gen,
+                                        dtype=torch.float32) for _ in range(3)]
+            key = "%d/%s/%s" % (L, name, method)
+            try:
+                entries[key] = entry(L, name, method, draws[L])
+            except Unsupported as x:
+                return {"method": x.args[0], "error": x.args[1]}
+            return {"id": key, "method": entries[key].label, "first_ms": entries[key].first * 1e3}
+        if cmd in ("time", "check") and req.get("id") not in entries:
+            return {"error": "no entry %r set up" % (req.get("id"),)}
+        if cmd == "time":
+            hand_off(torch)
+            return {"ms": entries[req["id"]].timed()}
+        if cmd == "check":
+            return {"max_err": entries[req["id"]].max_err()}
+        if cmd == "free":
+            entries.clear()
+            draws.clear()
+            return {}
+        return {"error": "unknown request %r" % (cmd,)}
+
+    return serve_requests(info, handle)
 
 
 def run_backward(torch, args, lengths, plan, B, H, d, scale, bmm_attention, sdpa, sdpa_label):

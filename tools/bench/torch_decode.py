@@ -21,28 +21,13 @@ decode step reads the cache from memory), median, min, max in ms. The error colu
 inputs. kv_bytes = the dense K + V bytes (GB/s = kv_bytes / time, as dfss bench computes it).
 """
 import argparse
-import json
 import math
 import platform
 import statistics
 import sys
 import time
 
-PREFIX = "DFSS_TORCH_JSON "
-
-
-def emit(obj):
-    def finite(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [finite(v) for v in x]
-        return x
-    sys.stdout.write(PREFIX + json.dumps(finite(obj), allow_nan=False) + "\n")
-    sys.stdout.flush()
-
+from torch_serve import emit, hand_off, serve_requests
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -164,15 +149,6 @@ class Case:
         return float((self.out.double() - ref).abs().max())
 
 
-def hand_off(torch, seconds=0.02):
-    """Keeps torch's threads busy for @p seconds (kHandOff of tools/cli/bench/bench.hpp): sums of
-    1 MiB, each split over the intra-op threads."""
-    x = torch.ones(1 << 18)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        x.sum()
-
-
 def serve(args, info, torch, F):
     """--serve: dfss bench --decode's co-process. Prints the info line, then answers one request per
     line of standard input (JSON), one DFSS_TORCH_JSON line each, until end of input:
@@ -183,44 +159,36 @@ def serve(args, info, torch, F):
       {"cmd": "check"} -> {"max_err"} (null past --ref-max-keys), and with "shared" the output
           written there at byte offset "out" (fp32 [B, Lq, H, d]) and "wrote_out": true
       {"cmd": "free"} -> {} (the configuration's tensors released)
-    Before a timed call it keeps torch's threads busy for 20 ms (hand_off): the other process's
-    OpenMP threads spin for a few ms after their last parallel region and would share the cores with
-    this call, and an idle gap instead would be timed into the call (kHandOff of
-    tools/cli/bench/bench.hpp). The first line, the info, carries "serving": true."""
-    info["serving"] = True
-    emit(info)
+    Before a timed call it keeps torch's threads busy for 20 ms (torch_serve.hand_off). The first
+    line, the info, carries "serving": true."""
     flush = torch.ones(32 << 20, dtype=torch.float32)  # 128 MiB, dfss bench's kFlushBytes
-    case = None
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
+    state = {"case": None}
+
+    def handle(req):
         cmd = req.get("cmd")
-        try:
-            if cmd == "setup":
-                case = None
-                gen = torch.Generator().manual_seed(args.seed + req["Lk"] * 131 + req["Hkv"])
-                case = Case(torch, F, args, req["Lk"], req["H"], req["Hkv"], req["dtype"], gen, req.get("shared"))
-                emit(case.row)
-            elif cmd in ("time", "check") and case is None:
-                emit({"error": "no configuration set up"})
-            elif cmd == "time":
-                hand_off(torch)
-                emit({"ms": case.timed(flush)})
-            elif cmd == "check":
-                answer = {"max_err": case.max_err()}
-                if case.shared_out is not None:  # the output for dfss bench's own fp64 reference
-                    case.shared_out.copy_(case.out.transpose(1, 2))
-                    answer["wrote_out"] = True
-                emit(answer)
-            elif cmd == "free":
-                case = None
-                emit({})
-            else:
-                emit({"error": "unknown request %r" % (cmd,)})
-        except Exception as e:  # noqa: BLE001 - report, keep serving
-            emit({"error": "%s: %s" % (type(e).__name__, e)})
-    return 0
+        case = state["case"]
+        if cmd == "setup":
+            state["case"] = None
+            gen = torch.Generator().manual_seed(args.seed + req["Lk"] * 131 + req["Hkv"])
+            state["case"] = Case(torch, F, args, req["Lk"], req["H"], req["Hkv"], req["dtype"], gen, req.get("shared"))
+            return state["case"].row
+        if cmd in ("time", "check") and case is None:
+            return {"error": "no configuration set up"}
+        if cmd == "time":
+            hand_off(torch)
+            return {"ms": case.timed(flush)}
+        if cmd == "check":
+            answer = {"max_err": case.max_err()}
+            if case.shared_out is not None:  # the output for dfss bench's own fp64 reference
+                case.shared_out.copy_(case.out.transpose(1, 2))
+                answer["wrote_out"] = True
+            return answer
+        if cmd == "free":
+            state["case"] = None
+            return {}
+        return {"error": "unknown request %r" % (cmd,)}
+
+    return serve_requests(info, handle)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

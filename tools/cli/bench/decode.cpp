@@ -228,9 +228,9 @@ class sdpa_peer {
 
 /// Memory that the SDPA co-process maps too: a configuration's q, K and V, so that SDPA reads the
 /// very pages dfss and the sweeps read, with the same values. With its own copy SDPA read another
-/// part of memory, which on the Sapphire Rapids VM read at 0.87-1.31x the rate of the cache's (MHA
-/// fp32 at 16384 keys: SDPA at 131% of the cache's sweep, dfss at 114%, in one run; the "memory
-/// sweep, other" row shows such differences). An anonymous memfd (no file left behind), which the
+/// part of memory, at another rate (Sapphire Rapids VM, MHA fp32 at 16384 keys, one run: SDPA at
+/// 131% of the cache's sweep, dfss at 114%; the "memory sweep, other" row shows such differences
+/// between buffers). An anonymous memfd (no file left behind), which the
 /// child opens as /proc/<pid>/fd/<fd>; not ok() where it cannot be made (then SDPA gets a copy).
 class shared_cache {
  public:

@@ -334,7 +334,7 @@ int run_bench() {
     std::unique_ptr<torch_server> served;
     if (!o.backward) {
       for (auto it = peers.begin(); it != peers.end(); ++it) {
-        if (it->version.empty() || it->version[0] == '1' || it->sdpa != "public") continue;
+        if (!has_public_sdpa(*it)) continue;
         std::ostringstream args;
         args << "--batch " << o.batch << " --heads " << o.heads << " --head-dim " << o.head_dim << " --threads "
              << o.threads << " --warmup " << o.warmup << " --seed " << o.seed << " --ref-rows " << o.ref_rows

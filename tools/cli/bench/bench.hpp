@@ -255,6 +255,9 @@ struct torch_peer {
 
 std::vector<torch_peer> probe_torch_peers(std::vector<std::string>& notes);
 bool runs_tuned(const torch_peer& peer);
+/// Whether @p peer is torch 2.x with the public scaled_dot_product_attention (the SDPA a user would
+/// pick, and the one peer dfss bench serves).
+bool has_public_sdpa(const torch_peer& peer);
 std::string find_torch_script();
 bool read_torch_json(const std::string& output, json& out);
 std::string torch_env(bool tuned);

@@ -183,14 +183,14 @@ std::uint64_t sweep_half(const sweep_part& whole, const sweep_part& rows, std::s
 /// then (a busy host once took SDPA to 5-12x its usual time: docs/benchmarks.md).
 class sdpa_peer {
  public:
-  /// Starts the co-process of the newest torch 2.x interpreter of --python; where there is none, or
+  /// Starts the co-process of the last torch 2.x interpreter of --python; where there is none, or
   /// it does not answer, the reason goes to @p notes and alive() is false.
   explicit sdpa_peer(std::vector<std::string>& notes) {
     std::vector<std::string> peer_notes;
     const std::vector<torch_peer> peers = probe_torch_peers(peer_notes);
     const torch_peer* peer = nullptr;
     for (const auto& p : peers)
-      if (!p.version.empty() && p.version[0] != '1' && p.sdpa == "public") peer = &p;
+      if (has_public_sdpa(p)) peer = &p;
     for (const auto& n : peer_notes) notes.push_back(n);
     if (peer == nullptr) {
       notes.push_back("torch: no torch 2.x interpreter among --python: no SDPA rows");

@@ -88,6 +88,10 @@ bool runs_tuned(const torch_peer& peer) {
   return !peer.version.empty() && peer.version[0] == '1' && !g_opt.no_torch_tuned;
 }
 
+bool has_public_sdpa(const torch_peer& peer) {
+  return !peer.version.empty() && peer.version[0] != '1' && peer.sdpa == "public";
+}
+
 void bench_torch(const std::vector<torch_peer>& peers, std::vector<row>& rows, std::vector<std::string>& notes) {
   const std::string script = find_torch_script();
   // The torch dtypes: fp32 always (the peer of dfss fp32 and of the fp32 rows), plus the dfss input

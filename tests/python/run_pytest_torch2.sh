@@ -53,4 +53,5 @@ echo "pip install: $(( $(date +%s) - start )) s"
 cd "$work"
 export PYTHONPATH="$work/site"
 exec "$py" -m pytest -q -rs -p no:cacheprovider "$src/tests/python/test_transformers.py" \
-  "$src/tests/python/test_modules.py" "$src/tests/python/test_cuda.py"
+  "$src/tests/python/test_modules.py" "$src/tests/python/test_cuda.py" \
+  "$src/tests/python/test_generate_bench.py"

@@ -1,0 +1,74 @@
+"""tools/bench/generate.py (dfss against sdpa in a transformers model, end to end) on its tiny geometry:
+the rows it reports, that each implementation really ran (dense matches sdpa's logits, the sparse
+patterns do not), that a timed decode step leaves the cache as it found it, and its errors for bad
+arguments. Needs transformers >= 5 (CTest python_transformers, the torch 2.x venv)."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.0", reason="needs transformers >= 5 (tools/scripts/torch2-venv.sh)")
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bench" / "generate.py"
+_spec = importlib.util.spec_from_file_location("dfss_generate_bench", _PATH)
+generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(generate)
+
+
+def test_rows_and_ratios(tmp_path):
+    out = tmp_path / "rows.json"
+    rc = generate.main(["--geometry", "tiny", "--contexts", "40,70", "--prompts", "24", "--rounds", "2",
+                        "--threads", "1", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["geometry"] == "tiny" and doc["layers"] == 2 and doc["dtype"] == "f32"
+    rows = doc["rows"]
+    impls = ["sdpa", "dfss dense", "dfss 2:4", "dfss 1:2"]
+    assert [(r["mode"], r["length"], r["implementation"]) for r in rows] == [
+        (mode, length, impl) for mode, length in (("decode", 40), ("decode", 70), ("prefill", 24)) for impl in impls]
+    for r in rows:
+        assert 0 < r["ms_min"] <= r["ms_median"] <= r["ms_max"]
+        assert r["finite"]
+        sdpa = next(s for s in rows if s["mode"] == r["mode"] and s["length"] == r["length"]
+                    and s["implementation"] == "sdpa")
+        assert r["vs_sdpa"] == pytest.approx(sdpa["ms_median"] / r["ms_median"], rel=1e-9)
+        tokens = 1 if r["mode"] == "decode" else r["length"]
+        assert r["tokens_per_s"] == pytest.approx(1e3 * tokens / r["ms_median"], rel=1e-9)
+        if r["implementation"] == "sdpa":
+            assert r["max_logit_diff"] == 0.0
+        elif r["implementation"] == "dfss dense":
+            # fp32, a 2-layer model of width 64: rounding only.
+            assert r["max_logit_diff"] < 1e-4
+        else:
+            # The sparse patterns drop keys of every group: their logits move (had the switch of
+            # implementation not happened, they would equal sdpa's).
+            assert r["max_logit_diff"] > 1e-3
+
+
+def test_decode_step_leaves_the_cache_as_it_was():
+    args = generate.parse_args(["--geometry", "tiny", "--layers", "1"])
+    model = generate.build_model(args)
+    assert model.config.num_hidden_layers == 1
+    cache = generate.make_cache(model, 33, torch.float32, torch.Generator().manual_seed(3))
+    token = torch.tensor([[7]])
+    with torch.inference_mode():
+        first = generate.decode_step(model, cache, 33, token)
+        assert cache.get_seq_length() == 33
+        second = generate.decode_step(model, cache, 33, token)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--geometry", "gpt-9"], "--geometry: expected one of"),
+    (["--dtype", "f16"], "--dtype: expected f32 or bf16"),
+    (["--patterns", "dense,3:4"], "--patterns: expected some of"),
+    (["--contexts", "4096,x"], "--contexts: expected comma-separated integers"),
+    (["--contexts", "0"], "--contexts: expected positive integers"),
+    (["--rounds", "0"], "--rounds and --threads: expected >= 1"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        generate.parse_args(argv)
+    assert message in str(info.value.code) + capsys.readouterr().err

@@ -67,8 +67,39 @@ def test_decode_step_leaves_the_cache_as_it_was():
     (["--contexts", "4096,x"], "--contexts: expected comma-separated integers"),
     (["--contexts", "0"], "--contexts: expected positive integers"),
     (["--rounds", "0"], "--rounds and --threads: expected >= 1"),
+    (["--cache", "paged"], "invalid choice"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         generate.parse_args(argv)
     assert message in str(info.value.code) + capsys.readouterr().err
+
+
+def test_static_cache_steps():
+    """--cache static: steps go on from L (each keeps its key and value); dfss dense's first step
+    matches sdpa's on a copy of the same cache."""
+    import dfss.transformers
+    dense = dfss.transformers.register("dfss-bench-test-dense", pattern="dense")
+    args = generate.parse_args(["--geometry", "tiny", "--layers", "1"])
+    model = generate.build_model(args)
+    token = torch.tensor([[9]])
+    logits = {}
+    with torch.inference_mode():
+        for name in ("sdpa", dense):
+            cache = generate.make_cache(model, 50, torch.float32, torch.Generator().manual_seed(4), "static", 2)
+            model.set_attn_implementation(name)
+            logits[name] = generate.decode_step(model, cache, 50, token, keep=True)
+            assert cache.get_seq_length() == 51
+            # The next step comes at 51, into the last slot.
+            assert torch.isfinite(generate.decode_step(model, cache, 51, token, keep=True)).all()
+    assert (logits[dense] - logits["sdpa"]).abs().max().item() < 1e-4
+
+
+def test_static_cache_rows(tmp_path):
+    out = tmp_path / "rows.json"
+    assert generate.main(["--geometry", "tiny", "--contexts", "40", "--prompts", "", "--cache", "static",
+                          "--patterns", "dense", "--rounds", "1", "--threads", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["cache"] == "static"
+    assert [(r["implementation"], r["max_logit_diff"], r["finite"]) for r in doc["rows"]] == [
+        ("sdpa", None, True), ("dfss dense", None, True)]

@@ -61,6 +61,9 @@ def parse_args(argv):
     ap.add_argument("--contexts", default="4096,16384,32768", help="cache lengths L of the decode steps")
     ap.add_argument("--prompts", default="1024", help="prompt lengths of the prefills (empty: none)")
     ap.add_argument("--patterns", default="dense,2:4,1:2", help="dfss patterns, besides sdpa")
+    ap.add_argument("--cache", default="dynamic", choices=("dynamic", "static"),
+                    help="dynamic (generate()'s default: each step is timed against the same L keys) or static "
+                         "(generate(cache_implementation=\"static\")'s: the steps go on from L, one key more each)")
     ap.add_argument("--rounds", type=int, default=5, help="timed calls per row, the implementations taking turns")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (dfss follows it)")
     ap.add_argument("--seed", type=int, default=2023)
@@ -94,12 +97,16 @@ def build_model(args):
     return model.eval()
 
 
-def make_cache(model, context, dtype, generator):
-    """A DynamicCache (generate()'s default) holding @p context random keys and values per layer."""
+def make_cache(model, context, dtype, generator, kind="dynamic", steps=0):
+    """A cache holding @p context random keys and values per layer: a DynamicCache (generate()'s
+    default), or a StaticCache with room for @p steps more (the keys of the timed decode steps)."""
     import transformers
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    cache = transformers.DynamicCache(config=c)
+    if kind == "static":
+        cache = transformers.StaticCache(config=c, max_cache_len=context + steps)
+    else:
+        cache = transformers.DynamicCache(config=c)
     shape = (1, c.num_key_value_heads, context, head_dim)
     for layer in range(c.num_hidden_layers):
         k = torch.randn(shape, generator=generator).to(dtype)
@@ -108,10 +115,13 @@ def make_cache(model, context, dtype, generator):
     return cache
 
 
-def decode_step(model, cache, context, token):
-    """One decode step at position @p context; the cache is left as it was (the new row dropped)."""
+def decode_step(model, cache, context, token, keep=False):
+    """One decode step at position @p context. Unless @p keep, the cache is left as it was (the new row
+    dropped: a DynamicCache); with @p keep it holds the step's key and value (a StaticCache, which
+    writes at its own running position: the next step must come at context + 1)."""
     out = model(input_ids=token, cache=cache, cache_position=torch.tensor([context]), use_cache=True, logits_to_keep=1)
-    cache.crop(-1)
+    if not keep:
+        cache.crop(-1)
     return out.logits[0, -1].float()
 
 
@@ -148,7 +158,7 @@ def main(argv=None):
     c = model.config
     print(f"generate.py: {args.geometry} geometry, {c.num_hidden_layers} layers, {args.dtype}, random weights "
           f"(seed {args.seed}); torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{args.threads} threads, DynamicCache, {args.rounds} rounds, implementations taking turns")
+          f"{args.threads} threads, {args.cache} cache, {args.rounds} rounds, implementations taking turns")
     print(f"{'mode':8} {'L':>6}  {'implementation':14} {'ms median':>10} {'ms min':>9} {'ms max':>9} "
           f"{'tokens/s':>9} {'vs sdpa':>8}  max |logit - sdpa's|")
     rows = []
@@ -158,11 +168,15 @@ def main(argv=None):
     with torch.inference_mode():
         for mode, length in configs:
             if mode == "decode":
-                cache = make_cache(model, length, dtype, generator)
+                static = args.cache == "static"
+                cache = make_cache(model, length, dtype, generator, args.cache, len(impls) * (args.rounds + 1))
+                position = [length]
 
                 def call(impl):
                     model.set_attn_implementation(names[impl])
-                    return decode_step(model, cache, length, token)
+                    logits = decode_step(model, cache, position[0], token, keep=static)
+                    position[0] += 1 if static else 0
+                    return logits
             else:
                 ids = torch.randint(3, c.vocab_size, (1, length), generator=generator)
 
@@ -175,22 +189,26 @@ def main(argv=None):
             for impl in impls:
                 t = times[impl]
                 med = statistics.median(t)
-                err = (outputs[impl] - outputs["sdpa"]).abs().max().item()
+                # A static cache's steps come at different positions: their logits are not comparable.
+                compared = not (mode == "decode" and args.cache == "static")
+                err = (outputs[impl] - outputs["sdpa"]).abs().max().item() if compared else None
                 row = dict(mode=mode, length=length, implementation=impl, ms_median=1e3 * med, ms_min=1e3 * min(t),
                            ms_max=1e3 * max(t), tokens_per_s=tokens / med, vs_sdpa=base / med, max_logit_diff=err,
                            finite=bool(torch.isfinite(outputs[impl]).all()))
                 rows.append(row)
                 print(f"{mode:8} {length:>6}  {impl:14} {row['ms_median']:>10.2f} {row['ms_min']:>9.2f} "
-                      f"{row['ms_max']:>9.2f} {row['tokens_per_s']:>9.1f} {row['vs_sdpa']:>7.2f}x  {err:.2e}"
+                      f"{row['ms_max']:>9.2f} {row['tokens_per_s']:>9.1f} {row['vs_sdpa']:>7.2f}x  {'-' if err is None else f'{err:.2e}'}"
                       + ("" if row["finite"] else "  (non-finite logits)"))
             if mode == "decode":
                 del cache
     print("vs sdpa = sdpa's median / the row's (> 1: faster than sdpa); decode rows: one step with the cache "
-          "holding L tokens; prefill rows: a prompt of L tokens (tokens/s = L / time). The logits compared "
-          "are each implementation's first call's; sparse patterns differ from sdpa's by design.")
+          "holding L tokens (static cache: L to L + calls - 1, each call one more); prefill rows: a prompt of L "
+          "tokens (tokens/s = L / time). The logits compared are each implementation's first call's (not for a "
+          "static cache's decode steps, which come at different positions); sparse patterns differ from sdpa's "
+          "by design.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(geometry=args.geometry, layers=c.num_hidden_layers, dtype=args.dtype,
+            json.dump(dict(geometry=args.geometry, layers=c.num_hidden_layers, dtype=args.dtype, cache=args.cache,
                            threads=args.threads, rounds=args.rounds, torch=torch.__version__,
                            transformers=transformers.__version__, rows=rows), f, indent=1)
     bad = [r for r in rows if not r["finite"]]

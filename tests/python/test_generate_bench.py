@@ -23,7 +23,8 @@ def test_rows_and_ratios(tmp_path):
                         "--threads", "1", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert doc["geometry"] == "tiny" and doc["layers"] == 2 and doc["dtype"] == "f32"
+    assert doc["geometry"] == "tiny" and doc["layers"] == 2 and doc["dtype"] == "f32" and doc["cache"] == "dynamic"
+    assert doc["cpu"] and doc["commit"]
     rows = doc["rows"]
     impls = ["sdpa", "dfss dense", "dfss 2:4", "dfss 1:2"]
     assert [(r["mode"], r["length"], r["implementation"]) for r in rows] == [

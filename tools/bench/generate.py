@@ -19,6 +19,7 @@ kept keys covers), so the sparse rows' gain over dense on real text may differ f
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -130,6 +131,29 @@ def prefill(model, ids):
     return out.logits[0, -1].float()
 
 
+def machine():
+    """The CPU's model name and the source tree's commit (where this script sits in a git checkout)."""
+    import pathlib
+    import platform
+    import subprocess
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        git = ["git", "-C", str(pathlib.Path(__file__).resolve().parent)]
+        commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or "unknown"
+        if commit != "unknown" and subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                                                  capture_output=True, text=True, timeout=10).stdout.strip():
+            commit += " (uncommitted changes)"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return cpu, commit
+
+
 def timed_turns(impls, call, rounds):
     """Medians, minimums and maxima of call(impl) per implementation, the implementations taking turns
     (one untimed call each first); also each one's first output."""
@@ -156,6 +180,9 @@ def main(argv=None):
     model = build_model(args)
     dtype = DTYPES[args.dtype]
     c = model.config
+    cpu, commit = machine()
+    print(f"generate.py: commit {commit}, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {cpu}, "
+          f"{torch.get_num_threads()} of {os.cpu_count()} hardware threads")
     print(f"generate.py: {args.geometry} geometry, {c.num_hidden_layers} layers, {args.dtype}, random weights "
           f"(seed {args.seed}); torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{args.threads} threads, {args.cache} cache, {args.rounds} rounds, implementations taking turns")
@@ -208,7 +235,7 @@ def main(argv=None):
           "by design.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(geometry=args.geometry, layers=c.num_hidden_layers, dtype=args.dtype, cache=args.cache,
+            json.dump(dict(commit=commit, cpu=cpu, geometry=args.geometry, layers=c.num_hidden_layers, dtype=args.dtype, cache=args.cache,
                            threads=args.threads, rounds=args.rounds, torch=torch.__version__,
                            transformers=transformers.__version__, rows=rows), f, indent=1)
     bad = [r for r in rows if not r["finite"]]

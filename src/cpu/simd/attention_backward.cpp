@@ -168,10 +168,8 @@ class backward_pass : public kernel<T> {
     for (std::int64_t j = 0; j < p_.seqlen_k; ++j) {
       const float* dk = ws.dk.ptr + j * dp_;
       const float* dv = ws.dv.ptr + j * dp_;
-      core::store_row_from_float(p_.dk, p_.output_type, core::offset4(p_.dk_stride, b, j, hk, 0), p_.dk_stride[3], d_,
-                                 [dk](int c) { return dk[c]; });
-      core::store_row_from_float(p_.dv, p_.output_type, core::offset4(p_.dv_stride, b, j, hk, 0), p_.dv_stride[3], d_,
-                                 [dv](int c) { return dv[c]; });
+      store_row_as(p_.dk, p_.output_type, core::offset4(p_.dk_stride, b, j, hk, 0), p_.dk_stride[3], d_, dk);
+      store_row_as(p_.dv, p_.output_type, core::offset4(p_.dv_stride, b, j, hk, 0), p_.dv_stride[3], d_, dv);
     }
   }
 
@@ -262,8 +260,12 @@ class backward_pass : public kernel<T> {
     for (int i = 0; i < rows; ++i) {
       const bool is_nan = ws.row_nan.ptr[i] != 0;
       const float* dq = ws.acc.ptr + static_cast<std::int64_t>(i) * dp_;
-      core::store_row_from_float(p_.dq, p_.output_type, core::offset4(p_.dq_stride, b, i0 + i, h, 0), p_.dq_stride[3],
-                                 d_, [&](int c) { return is_nan ? nan : dq[c]; });
+      const std::int64_t off = core::offset4(p_.dq_stride, b, i0 + i, h, 0);
+      if (is_nan) {
+        core::store_row_from_float(p_.dq, p_.output_type, off, p_.dq_stride[3], d_, [nan](int) { return nan; });
+      } else {
+        store_row_as(p_.dq, p_.output_type, off, p_.dq_stride[3], d_, dq);
+      }
     }
   }
 

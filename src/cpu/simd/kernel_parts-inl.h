@@ -334,6 +334,39 @@ HWY_INLINE VF exp2_clamped(VF x) {
   return hn::IfThenElse(hn::IsNaN(x), x, r);
 }
 
+/// Stores @p n floats of @p src into element @p off of @p base (output type @p t, element stride
+/// @p stride): an fp32 or bf16 row of unit stride by vectors, bf16 rounded to nearest even with a
+/// NaN kept quiet, bit for bit float_to_bf16 (dfss/numeric.hpp); any other row element by element
+/// (core::store_row_from_float), as is a tail shorter than a vector. Element by element, through a
+/// call per element that cannot be inlined across the target attribute, a bf16 O row's store was
+/// 13% of a bf16 causal prefill's samples on the AMX tiles (one Sapphire Rapids thread, GQA 14:2,
+/// d = 64, L = 1024), more than its P V.
+HWY_INLINE void store_row_as(void* base, dtype t, std::int64_t off, std::int64_t stride, int n, const float* src) {
+  const DF d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  int c = 0;
+  if (stride == 1 && t == dtype::f32) {
+    float* out = static_cast<float*>(base) + off;
+    for (; c + lanes <= n; c += lanes) hn::StoreU(hn::LoadU(d, src + c), d, out + c);
+  } else if (stride == 1 && t == dtype::bf16) {
+    const hn::RebindToUnsigned<DF> du;
+    const hn::Rebind<std::uint16_t, DF> dh;
+    std::uint16_t* out = static_cast<std::uint16_t*>(base) + off;
+    const auto half_ulp = hn::Set(du, 0x7fffu), one = hn::Set(du, 1u), quiet = hn::Set(du, 0x40u);
+    for (; c + lanes <= n; c += lanes) {
+      const VF x = hn::LoadU(d, src + c);
+      const auto u = hn::BitCast(du, x);
+      const auto high = hn::ShiftRight<16>(u);
+      const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(half_ulp, hn::And(high, one))));
+      const auto bits = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)), hn::Or(high, quiet), rounded);
+      hn::StoreU(hn::TruncateTo(dh, bits), dh, out + c);
+    }
+  }
+  if (c < n) {
+    core::store_row_from_float(base, t, off + c * stride, stride, n - c, [src, c](int k) { return src[c + k]; });
+  }
+}
+
 /// S[R][P] (row stride lds) = Q[R][dp] (row stride ldq) x Kt panel [dp][P], P = 2 vectors, for
 /// R = 1, 2, 4 or 8 rows (kMicroRows in the forward and backward; 1 or 2 in a decode step, which
 /// would waste 3/4 or 7/8 of the multiplies on zero rows). The accumulators are named variables (not
@@ -805,24 +838,15 @@ struct kernel {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const bool empty = mx == neg_inf;
     const float inv = empty ? 0.0f : 1.0f / sum;
-    // The row is normalised in place, then stored: an fp32 row of unit stride by vector stores
-    // straight to O, any other by the element-wise store (store_row_from_float, whose per-element
-    // call cannot be inlined across the target attribute). Element by element the fp32 stores were
-    // 5-7% of a causal fp32 forward's samples (one Zen 3 thread, L = 2048, d = 64).
+    // The row is normalised in place, then stored (store_row_as: fp32 and bf16 rows of unit stride
+    // by vectors). Element by element the fp32 stores were 5-7% of a causal fp32 forward's samples
+    // (one Zen 3 thread, L = 2048, d = 64).
     const DF d;
     const VF vinv = hn::Set(d, inv);
     for (int c = 0; c < dp_; c += lanes_) {
       hn::StoreU(is_nan ? hn::Set(d, nan) : hn::Mul(hn::LoadU(d, acc + c), vinv), d, acc + c);
     }
-    const std::int64_t off = core::offset4(p_.o_stride, b, i, h, 0);
-    if (p_.output_type == dtype::f32 && p_.o_stride[3] == 1) {
-      float* out = static_cast<float*>(p_.o) + off;
-      int c = 0;
-      for (; c + lanes_ <= d_; c += lanes_) hn::StoreU(hn::LoadU(d, acc + c), d, out + c);
-      for (; c < d_; ++c) out[c] = acc[c];
-    } else {
-      core::store_row_from_float(p_.o, p_.output_type, off, p_.o_stride[3], d_, [acc](int c) { return acc[c]; });
-    }
+    store_row_as(p_.o, p_.output_type, core::offset4(p_.o_stride, b, i, h, 0), p_.o_stride[3], d_, acc);
     if (p_.lse != nullptr) {
       // scale * max overflows to +-inf exactly where the reference's LSE, rounded to fp32, does.
       const float lse = is_nan ? nan : (empty ? neg_inf : scale_ * mx + std::log2(sum) * kLn2);

@@ -335,8 +335,8 @@ HWY_INLINE VF exp2_clamped(VF x) {
 }
 
 /// Stores @p n floats of @p src into element @p off of @p base (output type @p t, element stride
-/// @p stride): an fp32 or bf16 row of unit stride by vectors, bf16 rounded to nearest even with a
-/// NaN kept quiet, bit for bit float_to_bf16 (dfss/numeric.hpp); any other row element by element
+/// @p stride): an fp32, bf16 or (x86 with F16C) f16 row of unit stride by vectors, rounded to nearest
+/// even, bit for bit float_to_bf16 / float_to_f16 (dfss/numeric.hpp); any other row element by element
 /// (core::store_row_from_float), as is a tail shorter than a vector. Element by element, through a
 /// call per element that cannot be inlined across the target attribute, a bf16 O row's store was
 /// 13% of a bf16 causal prefill's samples on the AMX tiles (one Sapphire Rapids thread, GQA 14:2,
@@ -361,6 +361,20 @@ HWY_INLINE void store_row_as(void* base, dtype t, std::int64_t off, std::int64_t
       const auto bits = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)), hn::Or(high, quiet), rounded);
       hn::StoreU(hn::TruncateTo(dh, bits), dh, out + c);
     }
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  } else if (stride == 1 && t == dtype::f16) {
+    // F16C's vcvtps2ph rounds to nearest even, subnormals and overflow to inf included, as
+    // float_to_f16 does; a NaN keeps its payload's top bits there, so NaNs get float_to_f16's quiet
+    // NaN instead: a NaN becomes the float quiet NaN of its sign first, which converts to 0x7e00 or
+    // 0xfe00. (Highway's SSE4 emulation truncates: that target stays element by element.)
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    hwy::float16_t* out = static_cast<hwy::float16_t*>(base) + off;
+    const VF quiet_nan = hn::BitCast(d, hn::Set(hn::RebindToUnsigned<DF>(), 0x7fc00000u));
+    for (; c + lanes <= n; c += lanes) {
+      const VF x = hn::LoadU(d, src + c);
+      hn::StoreU(hn::DemoteTo(dh, hn::IfThenElse(hn::IsNaN(x), hn::CopySign(quiet_nan, x), x)), dh, out + c);
+    }
+#endif
   }
   if (c < n) {
     core::store_row_from_float(base, t, off + c * stride, stride, n - c, [src, c](int k) { return src[c + k]; });

@@ -852,9 +852,9 @@ struct kernel {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const bool empty = mx == neg_inf;
     const float inv = empty ? 0.0f : 1.0f / sum;
-    // The row is normalised in place, then stored (store_row_as: fp32 and bf16 rows of unit stride
-    // by vectors). Element by element the fp32 stores were 5-7% of a causal fp32 forward's samples
-    // (one Zen 3 thread, L = 2048, d = 64).
+    // The row is normalised in place, then stored (store_row_as: fp32, bf16 and f16 rows of unit
+    // stride by vectors). Element by element the fp32 stores were 5-7% of a causal fp32 forward's
+    // samples (one Zen 3 thread, L = 2048, d = 64).
     const DF d;
     const VF vinv = hn::Set(d, inv);
     for (int c = 0; c < dp_; c += lanes_) {

@@ -5,14 +5,17 @@ download). The implementations take turns on the same model (set_attn_implementa
 cache and the same inputs; each row is the median of its rounds.
 
     PYTHONPATH=build-cpu/tests/python/work-torch2/site ~/.cache/dfss/torch2-venv/bin/python \\
-        tools/bench/generate.py [--geometry llama-3.2-1b] [--contexts 4096,16384,32768] [--prompts 1024]
+        tools/bench/generate.py [--geometry llama-3.2-1b] [--contexts 4096,16384,32768] [--prompts 1024] \\
+        [--dtype f32|bf16] [--cache dynamic|static]
 
 (the site folder is where CTest python_transformers installs the package against the torch 2.x
 venv; any environment with torch 2.x, transformers >= 5 and `import dfss` will do).
 
 What it measures is what a user of model.generate() on the CPU sees per token, attention and all
-else: the weights' matrix products, the cache's own update (a DynamicCache concatenates each new
-key and value row onto the layer's tensors), the LM head. The decode cache is random keys and values
+else: the weights' matrix products, the cache's own update (a DynamicCache, generate()'s default,
+concatenates each new key and value row onto the layer's tensors; a StaticCache, what
+generate(cache_implementation="static") makes, writes them into preallocated slots and needs a mask
+over the unused ones), the LM head. The decode cache is random keys and values
 (a prefill of L tokens per configuration would take minutes): the time of a step does not depend
 on the values, but which keys a sparse pattern keeps does (GQA: how much of V the heads' union of
 kept keys covers), so the sparse rows' gain over dense on real text may differ from these.

@@ -205,7 +205,9 @@ TEST(SimdStore, F16RowsRoundToNearestEvenLikeTheScalarRounding) {
         } else {
           ASSERT_EQ(got, nearest_f16(x[i])) << where;
         }
-        if (stride == 2) ASSERT_EQ(out[2 * i + 1], 0xdeadu) << "wrote between the row's elements";
+        if (stride == 2) {
+          ASSERT_EQ(out[2 * i + 1], 0xdeadu) << "wrote between the row's elements";
+        }
       }
     }
   }

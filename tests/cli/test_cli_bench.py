@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 
+from checks import check, finish  # tests/cli/checks.py, beside this script
+
 # The stub's SDPA medians (ms) per dtype: values no real run produces, so a match is not by chance.
 STUB_SDPA_MS = {"fp32": 7.25, "bf16": 3.5}
 
@@ -118,14 +120,6 @@ for line in sys.stdin:
         entries.clear()
         emit({})
 '''
-
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        failures.append(what)
 
 
 def run(exe, args):
@@ -443,11 +437,7 @@ def main():
     check(p.returncode == 2 and "--cache-layout" in p.stderr, "decode: an unknown layout is refused (got %d: %s)"
           % (p.returncode, p.stderr[-300:]))
 
-    if failures:
-        print("%d check(s) failed" % len(failures))
-        return 1
-    print("all checks passed")
-    return 0
+    return finish()
 
 
 if __name__ == "__main__":

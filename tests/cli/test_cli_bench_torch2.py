@@ -20,13 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        failures.append(what)
+from checks import check, finish  # tests/cli/checks.py, beside this script
 
 
 def main():
@@ -93,11 +87,7 @@ def main():
         dense = [r for r in rows if r["row"] == "dfss dense"]
         check(dense and all(r["vs_sdpa"] is not None for r in dense), "%s: every dfss row has vs SDPA" % what)
 
-    if failures:
-        print("%d check(s) failed" % len(failures))
-        return 1
-    print("all checks passed")
-    return 0
+    return finish()
 
 
 if __name__ == "__main__":

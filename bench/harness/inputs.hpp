@@ -11,7 +11,8 @@
 
 namespace dfss::harness {
 
-/// @brief One tensor of standard normal values (drawn in fp32, then rounded to f16 or bf16).
+/// @brief One tensor of standard normal values (drawn in fp32, then rounded to f16 or bf16), or an
+/// output buffer of one of those types (assign).
 struct input_tensor {
   dtype type = dtype::f32;
   std::vector<float> f32;
@@ -32,6 +33,21 @@ struct input_tensor {
       b16.resize(n);
       for (std::size_t i = 0; i < n; ++i) b16[i] = bfloat16{float_to_bf16(f32[i])};
       std::vector<float>().swap(f32);
+    }
+  }
+  /// @brief @p n copies of @p value rounded to type @p t: an output buffer (`dfss bench` writes O
+  /// in the inputs' type, as the torch operator and SDPA return it, unless --out-dtype f32).
+  void assign(std::size_t n, dtype t, float value) {
+    type = t;
+    f32.clear();
+    f16.clear();
+    b16.clear();
+    if (t == dtype::f16) {
+      f16.assign(n, half{float_to_f16(value)});
+    } else if (t == dtype::bf16) {
+      b16.assign(n, bfloat16{float_to_bf16(value)});
+    } else {
+      f32.assign(n, value);
     }
   }
   /// @brief The stored (rounded) value of element @p i, exactly.

@@ -289,6 +289,57 @@ def main():
     check(p.returncode == 0 and "[dfss bench]" not in p.stderr, "no progress line without --progress on a pipe")
     check("no torch 2.x measured" in p.stdout, "without torch the notes say how to get the SDPA peer")
 
+    # --out-dtype: with bf16 inputs O is bf16 by default (as the torch operator and SDPA return it), f32
+    # with --out-dtype f32. The rows' error against the fp64 reference (of the same rounded inputs)
+    # tells the two apart: the kernels are deterministic, so a bench that ignored the option would
+    # report the same errors in both runs, while O's rounding to bf16 (|O| 2^-9) changes each row's.
+    # (Both stay small: on an AMX machine the bf16 forward also rounds P to bf16, about 1e-3 here.)
+    errors = {}
+    for extra, want_type in (([], "bf16"), (["--out-dtype", "f32"], "f32")):
+        what = "out-dtype %s" % want_type
+        out_json = os.path.join(tmp, "bench_out_%s.json" % want_type)
+        p = run(exe, common + ["--no-torch", "--dtype", "bf16", "--patterns", "dense,1:2", "--algorithms", "fused",
+                               "--json", out_json] + extra)
+        check(p.returncode == 0, "%s: exit status 0 (got %d: %s)" % (what, p.returncode, p.stderr[-300:]))
+        if p.returncode != 0:
+            continue
+        run_line = next((l for l in p.stdout.splitlines() if l.startswith("run: ")), "")
+        check("bf16 inputs (standard normal), %s outputs" % want_type in run_line,
+              "%s: the run line names the output type (got %r)" % (what, run_line))
+        repro = next((l for l in p.stdout.splitlines() if l.startswith("repro: ")), "")
+        check((" --out-dtype f32" in repro) == (want_type == "f32"), "%s: the repro line (got %r)" % (what, repro))
+        j = json.load(open(out_json))
+        check(j["config"].get("out_dtype") == want_type,
+              "%s: JSON config.out_dtype (got %r)" % (what, j["config"].get("out_dtype")))
+        errors[want_type] = [r["max_err"] for r in j["rows"] if r["source"] == "dfss" and r["ok"]]
+    if len(errors) == 2:
+        check(len(errors["f32"]) == 2 * len(lengths) and len(errors["bf16"]) == len(errors["f32"]) and
+              all(a is not None and b is not None and a != b and max(a, b) < 1e-2
+                  for a, b in zip(errors["f32"], errors["bf16"])),
+              "out-dtype: every row's error differs between bf16 and f32 outputs, both small (got %r, %r)"
+              % (errors["bf16"], errors["f32"]))
+    # The same for a decode step (a bf16 cache): there P stays fp32, so the f32 outputs are within the
+    # kernel's rounding and the bf16 ones add O's rounding.
+    errors = {}
+    for extra, want_type in (([], "bf16"), (["--out-dtype", "f32"], "f32")):
+        out_json = os.path.join(tmp, "decode_out_%s.json" % want_type)
+        p = run(exe, ["--decode", "--lengths", "300", "--decode-heads", "4:2", "--decode-dtypes", "bf16",
+                      "--patterns", "dense,1:2", "--iters", "1", "--threads", "2", "--no-torch", "--json", out_json] + extra)
+        check(p.returncode == 0, "decode out-dtype %s: exit status 0 (got %d: %s)" % (want_type, p.returncode, p.stderr[-300:]))
+        if p.returncode == 0:
+            j = json.load(open(out_json))
+            check(j.get("out_dtype") == ("f32" if extra else "input"),
+                  "decode out-dtype %s: JSON out_dtype (got %r)" % (want_type, j.get("out_dtype")))
+            errors[want_type] = [r["max_err"] for r in j["rows"] if r["row"].startswith("dfss ")]
+    if len(errors) == 2:
+        check(len(errors["f32"]) == 2 and all(e is not None and e < 1e-5 for e in errors["f32"]),
+              "decode out-dtype f32: the rows' errors are the kernel's rounding (got %r)" % errors["f32"])
+        check(len(errors["bf16"]) == 2 and all(e is not None and 1e-5 < e < 1e-2 for e in errors["bf16"]),
+              "decode out-dtype bf16: the rows' errors include O's rounding to bf16 (got %r)" % errors["bf16"])
+    p = run(exe, common + ["--no-torch", "--out-dtype", "f16"])
+    check(p.returncode == 2 and "--out-dtype" in p.stderr and "f16" in p.stderr,
+          "--out-dtype f16 is refused, naming the option and the value (got %d: %s)" % (p.returncode, p.stderr[-200:]))
+
     # --decode: per configuration the three sweeps (the cache's own K and V, the yardstick of "% of bw";
     # another buffer beside it; K and half of V, the floor of a 1:2 step) and the dfss rows, each dfss row's fraction_of_bandwidth its GB/s
     # over the cache sweep's and its error against the fp64 reference small. Three threads: one of
@@ -363,7 +414,7 @@ def main():
     out = os.path.join(tmp, "decode_blhd.json")
     p = run(exe, ["--decode", "--lengths", "1100", "--decode-heads", "8:4", "--decode-dtypes", "f32,bf16",
                   "--patterns", "dense,2:4", "--iters", "1", "--threads", "2", "--no-torch", "--cache-layout", "blhd",
-                  "--json", out])
+                  "--out-dtype", "f32", "--json", out])
     check(p.returncode == 0, "decode blhd: exit status 0 (got %d: %s)" % (p.returncode, p.stderr[-300:]))
     repro = [l for l in p.stdout.splitlines() if l.startswith("repro: ")]
     check(len(repro) == 1 and "--cache-layout blhd " in repro[0], "decode blhd: in the repro line (got %r)" % (repro,))
@@ -430,8 +481,10 @@ def main():
                   "%s: every configuration's SDPA row is not run, saying why (got %r)"
                   % (what, [r["reason"] for r in sdpa]))
             dfss = [x for x in rows if x["row"].startswith("dfss")]
-            check(len(dfss) == 8 and all(x["ok"] and x["max_err"] < 1e-5 for x in dfss),
-                  "%s: the dfss rows are measured" % what)
+            # (a bf16 cache's O is bf16: its rounding, |O| 2^-9, is its error)
+            check(len(dfss) == 8 and all(x["ok"] and x["max_err"] < (1e-5 if x["cache"] == "f32" else 1e-2)
+                                         for x in dfss),
+                  "%s: the dfss rows are measured (got %r)" % (what, [(x["cache"], x["max_err"]) for x in dfss]))
 
     p = run(exe, ["--decode", "--cache-layout", "bthd", "--no-torch"])
     check(p.returncode == 2 and "--cache-layout" in p.stderr, "decode: an unknown layout is refused (got %d: %s)"

@@ -164,6 +164,11 @@ void add_bench_command(CLI::App& app) {
   c->add_option("--dtype", o.dtype_name,
                 "dfss input type: f32, f16, bf16 (torch: fp32 rows, plus SDPA rows in the same 16-bit type)")
       ->capture_default_str();
+  c->add_option("--out-dtype", o.out_dtype,
+                "type of the dfss output O: input (the inputs' type, as the torch operator and SDPA return it) or "
+                "f32 (what the C++ API also accepts for 16-bit inputs)")
+      ->check(CLI::IsMember({"input", "f32"}))
+      ->capture_default_str();
   c->add_option("--warmup", o.warmup, "untimed calls per configuration")->capture_default_str();
   c->add_option("--iters", o.iters, "timed calls per configuration (median reported)")->capture_default_str();
   c->add_option("--rounds", o.rounds,
@@ -301,9 +306,10 @@ int run_bench() {
     std::printf("kernel: --isa %s selects %s (ISA %s) for dense fused %s\n", o.isas[0].c_str(),
                 mi.kernel.c_str(), mi.isa.c_str(), o.backward ? "forward (backward: see the kernel column)" : "forward");
     std::printf(
-        "run: %s, %d threads, %s inputs (standard normal), warmup %d, median of up to %d calls (budget %gs "
-        "per configuration), %s, no other masks\n",
-        o.backward ? "forward + backward (--backward)" : "forward", o.threads, o.dtype_name.c_str(), o.warmup,
+        "run: %s, %d threads, %s inputs (standard normal), %s outputs, warmup %d, median of up to %d calls "
+        "(budget %gs per configuration), %s, no other masks\n",
+        o.backward ? "forward + backward (--backward)" : "forward", o.threads, o.dtype_name.c_str(),
+        dtype_name(output_dtype(type)), o.warmup,
         o.iters, o.budget_s, o.causal ? "causal (--causal)" : "non-causal");
     if (o.rounds > 1) {
       std::printf(

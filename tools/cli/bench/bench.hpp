@@ -34,6 +34,8 @@ struct bench_options {
   long long batch = 1, heads = 12, head_dim = 64;
   int threads = 2;
   std::string dtype_name = "f32";
+  // --out-dtype: O in the inputs' type ("input": what the torch operator and SDPA return) or "f32"
+  std::string out_dtype = "input";
   int warmup = 2, iters = 7;
   int rounds = 1;  // --rounds: the whole sweep repeated (medians of the rounds' medians and ratios)
   double budget_s = 20.0;
@@ -207,6 +209,8 @@ double attention_flops(long long B, long long H, long long L, long long d);
 using harness::input_tensor;
 
 dtype parse_dtype(const std::string& s);
+/// The type of O for inputs of type @p input (--out-dtype).
+dtype output_dtype(dtype input);
 cpu_algorithm parse_cpu_algorithm_arg(const std::string& s);
 cpu_isa parse_cpu_isa_arg(const std::string& s);
 

@@ -334,7 +334,7 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
   struct run {
     decode_row r;
     attention_config cfg;
-    std::vector<float> out;
+    input_tensor out;  // O, in output_dtype
     std::vector<double> ms;
   };
   std::vector<std::unique_ptr<run>> runs;
@@ -347,8 +347,8 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
     s->cfg.cpu_isa = parse_cpu_isa(g_opt.isas.at(0), "--isa");
     s->r.c = c;
     s->r.what = "dfss " + s->cfg.pattern.str();
-    s->out.assign(static_cast<std::size_t>(B * Lq * H * d), 0.0f);
-    a.out = make_view(s->out.data(), {B, Lq, H, d});
+    s->out.assign(static_cast<std::size_t>(B * Lq * H * d), output_dtype(type), 0.0f);
+    a.out = s->out.view(B, Lq, H, d);
     const kernel_selection sel = select_kernel(a, s->cfg);
     s->r.kernel = sel.supported() ? sel.name : "-";
     if (!sel.supported()) {
@@ -402,7 +402,7 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
     half_ms.push_back(elapsed_ms(t0));
     for (auto& s : runs) {
       if (!s->r.ok) continue;
-      a.out = make_view(s->out.data(), {B, Lq, H, d});
+      a.out = s->out.view(B, Lq, H, d);
       sink += sweep(flush_parts, g_opt.threads);
       t0 = std::chrono::steady_clock::now();
       const status st = try_attention_forward(a, s->cfg);
@@ -457,7 +457,8 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
     }
   }
   // max |out - the fp64 reference of @p cfg's pattern| over every output.
-  const auto error_of = [&](const float* out, const attention_config& cfg) {
+  // (@p out_at(i): output element i as a double.)
+  const auto error_of = [&](const auto& out_at, const attention_config& cfg) {
     std::vector<double> ref(static_cast<std::size_t>(B * Lq * H * d));
     forward_args ra;
     ra.q = make_view(qd.data(), {B, Lq, H, d});
@@ -469,7 +470,7 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
     attention_forward(ra, rc);
     double err = 0;
     for (std::size_t i = 0; i < ref.size(); ++i) {
-      const double e = std::fabs(static_cast<double>(out[i]) - ref[i]);
+      const double e = std::fabs(out_at(i) - ref[i]);
       err = (std::isnan(e) || e > err) ? e : err;
     }
     return err;
@@ -480,7 +481,7 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
     if (r.ok) {
       r.ms = summarize(s->ms);
       r.gbs = kv_bytes / (r.ms.median * 1e6);
-      if (check) r.max_err = error_of(s->out.data(), s->cfg);
+      if (check) r.max_err = error_of([&s](std::size_t i) { return s->out.at(i); }, s->cfg);
     }
     rows.push_back(r);
   }
@@ -504,7 +505,8 @@ void bench_decode_config(const decode_config& c, std::vector<decode_row>& rows, 
           attention_config dense;  // dense attention with the dfss rows' causal flag
           dense.pattern = pattern::parse("dense", "--patterns");
           dense.causal = true;
-          sdpa_row.max_err = error_of(reinterpret_cast<const float*>(shared->data() + o_at), dense);
+          const auto* o = reinterpret_cast<const float*>(shared->data() + o_at);
+          sdpa_row.max_err = error_of([o](std::size_t i) { return static_cast<double>(o[i]); }, dense);
         } else if (e.contains("max_err") && e["max_err"].is_number()) {
           sdpa_row.max_err = get_num(e, "max_err");
         }
@@ -631,10 +633,11 @@ int run_decode() {
               info.compiler.c_str());
   std::printf(
       "run: one decode step, B=%lld, Lq=%lld, d=%lld, causal (bottom-right), cache %s random normal, "
-      "%d threads, median of %d calls (round-robin with the memory sweep and SDPA, each after a 128 MiB read "
-      "elsewhere)\n",
+      "output in %s, %d threads, median of %d calls (round-robin with the memory sweep and SDPA, each after a "
+      "128 MiB read elsewhere)\n",
       g_opt.batch, g_opt.query_rows, g_opt.head_dim,
-      g_opt.cache_layout == "blhd" ? "[B, Lk, Hkv, d]" : "[B, Hkv, Lk, d]", g_opt.threads, g_opt.iters);
+      g_opt.cache_layout == "blhd" ? "[B, Lk, Hkv, d]" : "[B, Hkv, Lk, d]",
+      g_opt.out_dtype == "f32" ? "f32" : "the cache's type", g_opt.threads, g_opt.iters);
   if (g_opt.rounds > 1) {
     std::printf(
         "rounds: %d (the whole sweep repeated: a row's times are the median of its rounds' medians, the min and max "
@@ -644,11 +647,12 @@ int run_decode() {
   std::printf("load average at start: %s\n", load_average().c_str());
   std::printf("repro: dfss bench --decode --lengths %s --decode-heads %s --decode-dtypes %s --patterns %s "
               "--query-rows %lld --batch %lld --head-dim %lld --cache-layout %s --threads %d --iters %d --rounds %d "
-              "--seed %llu --isa %s%s\n\n",
+              "--seed %llu --isa %s%s%s\n\n",
               join(g_opt.lengths).c_str(), join(g_opt.decode_heads).c_str(), join(g_opt.decode_dtypes).c_str(),
               join(g_opt.patterns).c_str(), g_opt.query_rows, g_opt.batch, g_opt.head_dim, g_opt.cache_layout.c_str(),
               g_opt.threads,
-              g_opt.iters, g_opt.rounds, g_opt.seed, g_opt.isas.at(0).c_str(), g_opt.no_torch ? " --no-torch" : "");
+              g_opt.iters, g_opt.rounds, g_opt.seed, g_opt.isas.at(0).c_str(), g_opt.no_torch ? " --no-torch" : "",
+              g_opt.out_dtype == "f32" ? " --out-dtype f32" : "");
   std::fflush(stdout);
   std::vector<std::string> notes;
   std::unique_ptr<sdpa_peer> sdpa;
@@ -708,6 +712,7 @@ int run_decode() {
     j["query_rows"] = g_opt.query_rows;
     j["head_dim"] = g_opt.head_dim;
     j["rounds"] = g_opt.rounds;
+    j["out_dtype"] = g_opt.out_dtype;  // "input": O in the cache's type
     j["notes"] = notes;
     j["rows"] = json::array();
     for (const decode_row& r : rows) {

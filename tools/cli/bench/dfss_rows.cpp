@@ -13,7 +13,7 @@ namespace dfss::cli::bench {
 struct run_state {
   row r;
   attention_config cfg;
-  std::vector<float> out;
+  input_tensor out;                    // O, in output_dtype
   std::vector<float> lse, dq, dk, dv;  // --backward
   std::vector<double> ms;
   int target = 0;
@@ -26,7 +26,7 @@ backward_args make_backward_args(const forward_args& a, run_state& s, const tens
   b.q = a.q;
   b.k = a.k;
   b.v = a.v;
-  b.out = make_view(s.out.data(), {B, L, H, d});
+  b.out = s.out.view(B, L, H, d);
   b.lse = make_view(s.lse.data(), {B, H, L});
   b.dout = dout;
   b.dq = make_view(s.dq.data(), {B, L, H, d});
@@ -38,7 +38,7 @@ backward_args make_backward_args(const forward_args& a, run_state& s, const tens
 /// One timed unit of a configuration: the forward call, then with --backward the backward call.
 status call_once(forward_args& a, run_state& s, const tensor_view& dout, std::int64_t B, std::int64_t L,
                  std::int64_t H, std::int64_t d) {
-  a.out = make_view(s.out.data(), {B, L, H, d});
+  a.out = s.out.view(B, L, H, d);
   if (!g_opt.backward) return try_attention_forward(a, s.cfg);
   a.lse = make_view(s.lse.data(), {B, H, L});
   const status st = try_attention_forward(a, s.cfg);
@@ -67,7 +67,7 @@ double backward_max_error(const attention_config& cfg, long long L, dtype type) 
   dout.fill(n, type, rng);
   run_state s;
   s.cfg = cfg;
-  s.out.assign(n, 0.0f);
+  s.out.assign(n, output_dtype(type), 0.0f);
   s.lse.assign(static_cast<std::size_t>(B * H * Le), 0.0f);
   s.dq.assign(n, 0.0f);
   s.dk.assign(n, 0.0f);
@@ -182,8 +182,8 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     auto& s = runs[ri];
     g_progress.show(first_row + static_cast<int>(ri), 1,
                     "L=" + std::to_string(L) + " " + s->r.pattern + " " + s->r.algorithm + ": first call and warmup");
-    s->out.assign(n, 0.0f);
-    a.out = make_view(s->out.data(), {B, L, H, d});
+    s->out.assign(n, output_dtype(type), 0.0f);
+    a.out = s->out.view(B, L, H, d);
     kernel_selection sel = select_kernel(a, s->cfg);
     if (g_opt.backward) {
       // The kernel column names both calls: "forward kernel+backward kernel".
@@ -366,7 +366,7 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
     double err = 0;
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t i = 0; i < R * H * d; ++i) {
-        const double got = static_cast<double>(s->out[static_cast<std::size_t>((b * L + r0) * H * d + i)]);
+        const double got = s->out.at(static_cast<std::size_t>((b * L + r0) * H * d + i));
         const double want = it->second[static_cast<std::size_t>(b * R * H * d + i)];
         const double e = std::fabs(got - want);
         err = (std::isnan(e) || e > err) ? e : err;
@@ -382,13 +382,13 @@ void bench_length(long long L, dtype type, std::vector<row>& rows, sgemm_result&
 std::string dense_kernel_name(dtype type) {
   const std::int64_t B = 1, L = 16, H = 1, d = g_opt.head_dim;  // the selector looks at types and d, not L
   const auto n = static_cast<std::size_t>(B * L * H * d);
-  std::vector<float> out(n);
   std::mt19937_64 rng(g_opt.seed);
-  input_tensor q;
+  input_tensor q, out;
   q.fill(n, type, rng);
+  out.assign(n, output_dtype(type), 0.0f);
   forward_args a;
   a.q = a.k = a.v = q.view(B, L, H, d);
-  a.out = make_view(out.data(), {B, L, H, d});
+  a.out = out.view(B, L, H, d);
   attention_config cfg;
   cfg.backend = backend::cpu;
   cfg.pattern = pattern::parse("dense", "--patterns");

@@ -126,6 +126,8 @@ dtype parse_dtype(const std::string& s) {
 
 
 
+dtype output_dtype(dtype input) { return g_opt.out_dtype == "f32" ? dtype::f32 : input; }
+
 cpu_algorithm parse_cpu_algorithm_arg(const std::string& s) { return parse_cpu_algorithm(s, "--algorithms"); }
 cpu_isa parse_cpu_isa_arg(const std::string& s) { return parse_cpu_isa(s, "--isa"); }
 

@@ -26,12 +26,13 @@ int run_memory_child() {
   q.fill(n, type, rng);
   k.fill(n, type, rng);
   v.fill(n, type, rng);
-  std::vector<float> out(n, 0.0f);
+  input_tensor out;
+  out.assign(n, output_dtype(type), 0.0f);
   forward_args a;
   a.q = q.view(B, L, H, d);
   a.k = k.view(B, L, H, d);
   a.v = v.view(B, L, H, d);
-  a.out = make_view(out.data(), {B, L, H, d});
+  a.out = out.view(B, L, H, d);
   attention_config cfg;
   cfg.pattern = pattern::parse(g_opt.patterns.at(0), "--patterns");
   cfg.backend = backend::cpu;
@@ -39,7 +40,7 @@ int run_memory_child() {
   cfg.cpu_algorithm = parse_cpu_algorithm_arg(g_opt.algorithms.at(0));
   cfg.cpu_isa = parse_cpu_isa_arg(g_opt.isas.at(0));
   const long before = max_rss_kib();
-  const std::size_t tensors = q.bytes() + k.bytes() + v.bytes() + out.size() * sizeof(float);
+  const std::size_t tensors = q.bytes() + k.bytes() + v.bytes() + out.bytes();
   const kernel_selection sel = select_kernel(a, cfg);
   if (!sel.supported()) {
     std::printf("DFSS_MEMCHILD %ld %ld %zu 0 - unsupported: %s\n", before, before, tensors,

@@ -16,6 +16,7 @@ std::string repro_command() {
     << g_opt.threads << " --dtype " << g_opt.dtype_name << " --warmup " << g_opt.warmup << " --iters "
     << g_opt.iters << " --budget " << g_opt.budget_s << " --seed " << g_opt.seed << " --ref-rows "
     << g_opt.ref_rows;
+  if (g_opt.out_dtype != "input") c << " --out-dtype " << g_opt.out_dtype;
   if (g_opt.rounds > 1) c << " --rounds " << g_opt.rounds;
   if (g_opt.backward) c << " --backward";
   if (g_opt.causal) c << " --causal";
@@ -99,6 +100,7 @@ void write_json(const std::string& path, const std::vector<row>& rows, const sge
   j["config"] = {
       {"threads", g_opt.threads},
       {"dtype", g_opt.dtype_name},
+      {"out_dtype", std::string(dtype_name(output_dtype(parse_dtype(g_opt.dtype_name))))},
       {"warmup", g_opt.warmup},
       {"iters", g_opt.iters},
       {"rounds", g_opt.rounds},

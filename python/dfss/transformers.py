@@ -11,8 +11,10 @@
 function does not build transformers' 4-D ``[B, 1, Lq, Lk]`` mask: it returns a ``DFSSMask`` that
 says what the operator needs (causal flag, per-sequence key lengths, how many cache slots hold keys,
 and for left padding a per-key mask ``[B, Lk]`` broadcast over the query rows), and builds a 4-D
-mask, passed to dfss as an additive bias, only when the mask cannot be said that way (packed
-sequences, custom mask functions). docs/transformers.md has the mapping.
+mask, passed to dfss as an additive bias, only when the mask cannot be said that way (custom mask
+functions, sliding windows). Packed sequences (position ids restarting, transformers' padding-free
+format) become spans that dfss attends to one by one, each as if it were alone. docs/transformers.md
+has the mapping.
 
 This module imports transformers only inside ``register``: ``import dfss`` works without it.
 CI tests transformers 5.24.0 (tools/scripts/torch2-venv-extras.txt); the mask function also takes
@@ -40,6 +42,10 @@ class DFSSMask:
     * ``key_mask``: None or a bool tensor [B, Lk] (True takes part, Lk before ``key_limit``): keys
       a sequence never sees (left padding, holes in the padding mask), on top of the causal flag and
       key lengths; given to dfss as a bias [B, 1, 1, Lk], broadcast over the query rows.
+    * ``segments``: None, or per sequence of the batch a list of (start, end) spans: packed sequences
+      (transformers' padding-free format: position ids that restart), Lq = Lk. Each span is attended
+      to alone (its queries see only its keys, causal per ``causal``), so its N:M groups start at its
+      own first token, as for that sequence on its own. The other fields are then unused.
     * ``mask``: None or a bool tensor [B, 1, Lq, Lk] (True takes part): the fallback for masks that
       the fields above cannot express; then the others are unused.
     * ``query_offset``, ``key_offset``: the global positions of query row 0 and key 0 as transformers
@@ -48,7 +54,7 @@ class DFSSMask:
     """
 
     __slots__ = ("causal", "key_limit", "key_lengths", "key_mask", "mask", "query_offset", "key_offset",
-                 "kv_length")
+                 "kv_length", "segments")
 
     # generate() with a static (compileable) cache makes the masks before the forward and passes them
     # as the model's attention_mask; transformers' mask preprocessing then calls the mask function
@@ -56,8 +62,10 @@ class DFSSMask:
     # function returns a DFSSMask it receives as it is.
     ndim = 4
 
-    def __init__(self, causal, key_limit, key_lengths, mask, query_offset, key_offset, kv_length, key_mask=None):
+    def __init__(self, causal, key_limit, key_lengths, mask, query_offset, key_offset, kv_length, key_mask=None,
+                 segments=None):
         self.causal = causal
+        self.segments = segments
         self.key_limit = key_limit
         self.key_lengths = key_lengths
         self.key_mask = key_mask
@@ -69,6 +77,8 @@ class DFSSMask:
     def __repr__(self):
         if self.mask is not None:
             return f"DFSSMask(mask={list(self.mask.shape)})"
+        if self.segments is not None:
+            return f"DFSSMask(causal={self.causal}, segments={self.segments})"
         return (f"DFSSMask(causal={self.causal}, key_limit={self.key_limit}, "
                 f"key_lengths={None if self.key_lengths is None else self.key_lengths.tolist()}, "
                 f"key_mask={None if self.key_mask is None else list(self.key_mask.shape)})")
@@ -120,6 +130,54 @@ def _padding_mask(attention_mask, kv_length, kv_offset):
     return pad[:, kv_offset:kv_offset + kv_length]
 
 
+def _closure(fn):
+    """The names and values of a Python function's closure ({} for anything else)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or cells is None:
+        return {}
+    try:
+        return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+    except ValueError:  # an empty cell
+        return {}
+
+
+def _packed_sequences(mask_function, masking_utils, base_functions):
+    """transformers' mask function for packed sequences, taken apart: ``and_masks(remap_positions_for_
+    packed_sequence(base, position_ids), packed_sequence_mask_function(sequence_ids))`` with ``base``
+    one of ``base_functions`` (causal or bidirectional). Returns (base, sequence_ids [B, L]) or None
+    for any other function, which then takes the 4-D fallback: the structure is read from the
+    functions' names and closures, so a transformers that builds it differently only loses the
+    shortcut."""
+    def made_by(fn, factory):
+        return getattr(fn, "__module__", None) == masking_utils.__name__ and \
+            getattr(fn, "__qualname__", "").startswith(factory + ".<locals>.")
+
+    if not made_by(mask_function, "and_masks"):
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    remap, packed = parts
+    if not (made_by(remap, "remap_positions_for_packed_sequence") and made_by(packed, "packed_sequence_mask_function")):
+        return None
+    base = _closure(remap).get("mask_function")
+    ids = _closure(packed).get("packed_sequence_mask")
+    if not any(base is f for f in base_functions) or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    return base, ids
+
+
+def _spans(sequence_ids):
+    """Per row of ``sequence_ids`` [B, L] (non-decreasing sequence numbers, transformers'
+    find_packed_sequence_indices), the (start, end) spans of its sequences."""
+    spans = []
+    for row in sequence_ids:
+        _, counts = torch.unique_consecutive(row, return_counts=True)
+        ends = torch.cumsum(counts, 0).tolist()
+        spans.append(list(zip([0] + ends[:-1], ends)))
+    return spans
+
+
 def _make_mask_function(masking_utils):
     causal_fn = masking_utils.causal_mask_function
     bidirectional_fn = getattr(masking_utils, "bidirectional_mask_function", None)
@@ -162,7 +220,17 @@ def _make_mask_function(masking_utils):
         elif bidirectional_fn is not None and mask_function is bidirectional_fn:
             causal = False
         else:
-            return materialized()  # sliding window, chunked, packed sequences, or/and overlays, ...
+            packed = _packed_sequences(mask_function, masking_utils,
+                                       [f for f in (causal_fn, bidirectional_fn) if f is not None])
+            if packed is None:
+                return materialized()  # sliding window, chunked, or/and overlays, custom functions, ...
+            base, ids = packed
+            # transformers packs only without a cache and a 2-D mask: Lq = Lk = the ids' length.
+            if attention_mask is not None or _tracing(ids, q_offset, kv_offset) or \
+                    not (int(q_offset) == 0 and int(kv_offset) == 0 and q_length == kv_length == ids.shape[-1]
+                         and ids.shape[0] == batch_size):
+                return materialized()
+            return DFSSMask(base is causal_fn, None, None, None, 0, 0, kv_length, segments=_spans(ids))
         tracing = _tracing(attention_mask, q_offset, kv_offset)
         # A static cache gives q_offset as a tensor (it hands every layer its whole buffer).
         static_cache = isinstance(q_offset, torch.Tensor)
@@ -232,6 +300,27 @@ _UNSUPPORTED = (
 )
 
 
+def _packed_attention(query, key, value, segments, pattern, causal, scaling, sink_tokens, recent_tokens, where):
+    """Packed sequences: each span of each row attended to alone (views of q, K and V, one operator
+    call per span), the outputs concatenated back into [B, L, H, d]."""
+    b, lq = query.shape[0], query.shape[2]
+    if len(segments) != b or any(not spans or spans[-1][1] != lq for spans in segments):
+        raise ValueError(_error(f"{where}: the packed-sequence mask was made for {len(segments)} rows of "
+                                f"{[s[-1][1] if s else 0 for s in segments]} tokens, got query of shape "
+                                f"{list(query.shape)}"))
+    rows = []
+    for i, spans in enumerate(segments):
+        parts = []
+        for s, e in spans:
+            o, _ = torch.ops.dfss.attention(query[i:i + 1, :, s:e].transpose(1, 2), key[i:i + 1, :, s:e].transpose(1, 2),
+                                            value[i:i + 1, :, s:e].transpose(1, 2), pattern, causal,
+                                            None if scaling is None else float(scaling), None, None, 0, None,
+                                            sink_tokens, recent_tokens)
+            parts.append(o)
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, 1))
+    return rows[0] if b == 1 else torch.cat(rows, 0)
+
+
 def _make_attention_function(name, pattern, sink_tokens, recent_tokens):
     def dfss_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                        is_causal=None, **kwargs):
@@ -256,6 +345,10 @@ def _make_attention_function(name, pattern, sink_tokens, recent_tokens):
             if key.shape[2] != m.kv_length:
                 raise ValueError(_error(f"{where}: the mask was made for {m.kv_length} keys, got key of "
                                         f"shape {list(key.shape)} (a mask of another layer type?)"))
+            if m.segments is not None:
+                causal = m.causal if is_causal is not False else False
+                return _packed_attention(query, key, value, m.segments, pattern, causal, scaling, sink_tokens,
+                                         recent_tokens, where), None
             if m.mask is not None:
                 mask, causal, four_d = m.mask, False, True
             else:
@@ -283,7 +376,7 @@ def _make_attention_function(name, pattern, sink_tokens, recent_tokens):
         if recent_tokens and four_d:
             raise NotImplementedError(_error(
                 f"{where}: recent_tokens={recent_tokens} with a mask that reaches dfss only as a 4-D "
-                f"[B, 1, Lq, Lk] mask (packed sequences, a custom mask function, a static cache's mask "
+                f"[B, 1, Lq, Lk] mask (a custom mask function, packed sequences or a static cache's mask "
                 f"made while tracing, or a 4-D attention_mask): a recent window is placed from each "
                 f"query's last visible key, which dfss knows from the causal flag and key lengths, not "
                 f"from a 4-D mask; pass a 2-D padding mask, or register with recent_tokens=0"))
@@ -320,8 +413,10 @@ def register(name="dfss", pattern="2:4", sink_tokens=0, recent_tokens=0):
     "Sink and recent windows"; as NVIDIA Model Optimizer's N:M prefill masking does). Positions count
     cache slots: with left padding the sink covers the padding slots, not a sequence's first tokens.
     A recent window ends at each row's own position, which dfss reads from the causal flag: with a
-    mask that reaches it only as a 4-D mask (packed sequences, custom mask functions, a user's 4-D
-    ``attention_mask``) ``recent_tokens > 0`` raises NotImplementedError.
+    mask that reaches it only as a 4-D mask (custom mask functions, a user's 4-D ``attention_mask``)
+    ``recent_tokens > 0`` raises NotImplementedError. Packed sequences (position ids that restart,
+    no attention mask) are attended to sequence by sequence, each as if alone: its N:M groups, sink
+    and recent windows start from its own first token.
     Not implemented, raising NotImplementedError at the forward: sliding-window layers, logit
     soft-capping, learned sinks (``s_aux``), T5-style position bias, ``head_mask``, attention dropout
     (training with ``attention_dropout > 0``) and ``output_attentions=True``.

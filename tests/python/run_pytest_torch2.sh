@@ -54,4 +54,4 @@ cd "$work"
 export PYTHONPATH="$work/site"
 exec "$py" -m pytest -q -rs -p no:cacheprovider "$src/tests/python/test_transformers.py" \
   "$src/tests/python/test_modules.py" "$src/tests/python/test_cuda.py" \
-  "$src/tests/python/test_generate_bench.py"
+  "$src/tests/python/test_generate_bench.py" "$src/tests/python/test_packed_bench.py"

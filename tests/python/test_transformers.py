@@ -365,8 +365,8 @@ def _spy(name):
     def spy(module, query, key, value, attention_mask, **kwargs):
         m = attention_mask
         seen.append("none" if m is None else
-                    ("4-D" if m.mask is not None else "keys") if isinstance(m, dfss.transformers.DFSSMask)
-                    else type(m).__name__)
+                    ("4-D" if m.mask is not None else "segments" if m.segments is not None else "keys")
+                    if isinstance(m, dfss.transformers.DFSSMask) else type(m).__name__)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     transformers.AttentionInterface.register(name + "-spy", spy)
@@ -423,3 +423,87 @@ def test_sink_and_recent_windows():
     with torch.no_grad():
         want = windows(seq[:, :-1]).logits[:, 12:]
     torch.testing.assert_close(logits, want.to(logits.dtype), rtol=1e-6, atol=1e-6)
+
+
+# Packed sequences (transformers' padding-free format: one row holds several sequences, position ids
+# restart at each; no attention mask, no cache, as in training with DataCollatorWithFlattening).
+PACKED = [5, 7, 3, 9, 1, 6]  # sequence starts 0, 5, 12, 15, 24, 25: most not multiples of M = 4
+
+
+def _packed(lengths):
+    ids = _ids(1, sum(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return ids, positions, starts
+
+
+def test_packed_mask_is_spans():
+    # transformers' packed-sequence mask function reaches dfss as spans, never as a 4-D mask; rows of
+    # a batch may be packed differently, and an unpacked row is one span.
+    cfg = _config("llama")
+    cfg._attn_implementation = SPARSE
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    m = masking_utils.create_causal_mask(config=cfg, inputs_embeds=torch.zeros(2, 9, 8), attention_mask=None,
+                                         cache=None, position_ids=positions)
+    assert isinstance(m, dfss.transformers.DFSSMask) and m.mask is None and m.causal, m
+    assert m.segments == [[(0, 3), (3, 5), (5, 9)], [(0, 9)]], m.segments
+    # Not packed (or with a padding mask, or a cache): the usual mapping, no spans.
+    m = masking_utils.create_causal_mask(config=cfg, inputs_embeds=torch.zeros(2, 9, 8), attention_mask=None,
+                                         cache=None, position_ids=torch.arange(9).expand(2, 9))
+    assert isinstance(m, dfss.transformers.DFSSMask) and m.segments is None and m.mask is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("pattern", ["dense", "2:4"])
+def test_packed_sequences_attend_alone(kind, pattern):
+    # Each packed sequence gives the logits it gives alone: its keys only, causal, and its N:M groups
+    # from its own first token (a 4-D mask over the packed row would group keys across sequences).
+    # Dense also equals SDPA on the same packed row.
+    name = DENSE if pattern == "dense" else SPARSE
+    sdpa, model = _models(kind, ["sdpa", name])
+    ids, positions, starts = _packed(PACKED)
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions, use_cache=False).logits
+        alone = torch.cat([model(ids[:, s:s + n], use_cache=False).logits for s, n in zip(starts, PACKED)], 1)
+        torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
+        if pattern == "dense":
+            want = sdpa(ids, position_ids=positions, use_cache=False).logits
+            torch.testing.assert_close(packed, want, rtol=1e-10, atol=1e-10)
+
+
+def test_packed_training_backward_matches_sdpa_and_reaches_dfss_as_spans():
+    name, seen = _spy(DENSE)
+    sdpa, dense = _models("qwen3", ["sdpa", name])
+    ids, positions, _ = _packed(PACKED)
+    for m in (sdpa, dense):
+        m.train()
+        m(ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
+    assert seen and set(seen) == {"segments"}, seen
+    for (pname, a), b in zip(sdpa.named_parameters(), dense.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-8, atol=1e-10, msg=pname)
+
+
+def test_packed_sequences_with_windows_attend_alone():
+    # Sink and recent windows count from each sequence's own first token; with a 4-D mask they could
+    # not be placed (recent_tokens raised NotImplementedError there).
+    name = dfss.transformers.register("dfss-test-packed-windows", pattern="2:4", sink_tokens=2, recent_tokens=3)
+    (model,) = _models("llama", [name])
+    lengths = [11, 6, 13]
+    ids, positions, starts = _packed(lengths)
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions, use_cache=False).logits
+        alone = torch.cat([model(ids[:, s:s + n], use_cache=False).logits for s, n in zip(starts, lengths)], 1)
+    torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_compile_packed_sequences():
+    # While tracing the spans would depend on the position ids' values: the packed mask takes the 4-D
+    # fallback there, and dense still equals SDPA.
+    sdpa, dense = _models("llama", ["sdpa", DENSE], dtype=torch.float32)
+    ids, positions, _ = _packed(PACKED)
+    torch._dynamo.reset()
+    compiled = torch.compile(dense, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        want = sdpa(ids, position_ids=positions, use_cache=False).logits
+        got = compiled(ids, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

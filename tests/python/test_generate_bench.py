@@ -2,19 +2,15 @@
 the rows it reports, that each implementation really ran (dense matches sdpa's logits, the sparse
 patterns do not), that a timed decode step leaves the cache as it found it, and its errors for bad
 arguments. Needs transformers >= 5 (CTest python_transformers, the torch 2.x venv)."""
-import importlib.util
 import json
-import pathlib
 
+import bench_tools
 import pytest
 import torch
 
 pytest.importorskip("transformers", minversion="5.0", reason="needs transformers >= 5 (tools/scripts/torch2-venv.sh)")
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bench" / "generate.py"
-_spec = importlib.util.spec_from_file_location("dfss_generate_bench", _PATH)
-generate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(generate)
+generate = bench_tools.load("generate")
 
 
 def test_rows_and_ratios(tmp_path):

@@ -2,18 +2,14 @@
 through the spans and through the same mask) on small packs: its rows, that dense matches sdpa's
 output both ways, and its errors for bad arguments. Needs transformers >= 5 (CTest
 python_transformers, the torch 2.x venv)."""
-import importlib.util
 import json
-import pathlib
 
+import bench_tools
 import pytest
 
 pytest.importorskip("transformers", minversion="5.0", reason="needs transformers >= 5 (tools/scripts/torch2-venv.sh)")
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bench" / "packed_attention.py"
-_spec = importlib.util.spec_from_file_location("dfss_packed_bench", _PATH)
-packed = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(packed)
+packed = bench_tools.load("packed_attention")
 
 
 def test_rows(tmp_path):

@@ -507,3 +507,17 @@ def test_torch_compile_packed_sequences():
         want = sdpa(ids, position_ids=positions, use_cache=False).logits
         got = compiled(ids, position_ids=positions, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_spans_of_another_shape_raise():
+    fn = _attention_function(DENSE)
+    q = torch.randn(1, 4, 5, 8)
+    k = torch.randn(1, 2, 5, 8)
+    spans = dfss.transformers.DFSSMask(True, None, None, None, 0, 0, 5, segments=[[(0, 3)]])
+    with pytest.raises(ValueError, match=r"packed-sequence mask was made for 1 rows of \[3\] tokens, got query of "
+                                         r"shape \[1, 4, 5, 8\]"):
+        fn(_Module(), q, k, k, spans)
+    out, _ = fn(_Module(), q, k, k, dfss.transformers.DFSSMask(True, None, None, None, 0, 0, 5,
+                                                              segments=[[(0, 3), (3, 5)]]))
+    want = torch.cat([fn(_Module(), q[:, :, s:e], k[:, :, s:e], k[:, :, s:e], None)[0] for s, e in ((0, 3), (3, 5))], 1)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

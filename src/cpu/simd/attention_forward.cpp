@@ -366,7 +366,8 @@ class forward_pass : public kernel<T> {
     } else if (in_place) {
       tile_max = this->select_in_place(s, static_cast<std::int32_t>(j0), whole);  // dense: the maximum
     } else {
-      kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf, whole);
+      kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf, whole,
+                           this->visible_width(lim, j0));
     }
     if (tile_max == neg_inf) return;
     float& mx = ws.row_max.ptr[i];

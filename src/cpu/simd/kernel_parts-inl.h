@@ -841,6 +841,20 @@ struct kernel {
   /// whole vector written past the last kept slot.
   int comp_stride() const { return w_ + 2 * lanes_; }
 
+  /// The granule of compact's width: whole pairs of vectors (its 1:2 and 2:4 loop) and whole groups.
+  /// W is a multiple of it.
+  int compact_step() const { return key_tile_width(p_.pattern_m, panel_, 1); }
+
+  /// compact's width for a row whose keys from @p lim on are masked, in the tile at @p j0 (lim > j0):
+  /// the visible keys rounded up to compact_step(), at most W. On the causal diagonal a row sees
+  /// half the tile on average, and the keys past its last visible one would otherwise be kept as
+  /// zero weights: exponentials, and a P V row by row (the masked tile's form) over the zero row.
+  int visible_width(std::int64_t lim, std::int64_t j0) const {
+    if (lim - j0 >= w_) return w_;
+    const int step = compact_step();
+    return static_cast<int>((lim - j0 + step - 1) / step * step);
+  }
+
   /// Keys visible to query row qi: j < key_limit (key padding, causal and the sequence end).
   std::int64_t key_limit(std::int64_t b, std::int64_t qi) const { return core::visible_end(p_, b, qi); }
 
@@ -1152,28 +1166,31 @@ struct kernel {
   /// A NaN-free row takes select_pairs_nan_free, the cheaper pairwise form of the same rule (the
   /// hand-written AVX2 kernel's): about half the instructions, which measured 2:4 about 10% faster
   /// on AVX2. Other N:M go through the scalar nm_select_group; N = M keeps everything. @p whole:
-  /// the row's groups kept whole (sink and recent windows, core::whole_groups).
+  /// the row's groups kept whole (sink and recent windows, core::whole_groups). @p width: the first
+  /// keys of the tile to take (default all W), a multiple of compact_step(); the caller knows the
+  /// others are masked (-inf), which would be kept as zero weights.
   HWY_INLINE int compact(const float* s, std::int32_t j0, float* cv, std::int32_t* ci, float& max_out, bool nan_free,
-                         const mask::whole_groups& whole) const {
+                         const mask::whole_groups& whole, int width = 0) const {
     const DF d;
     const DI di;
     const int n = p_.pattern_n, m = p_.pattern_m;
+    const int w = width > 0 ? width : w_;
     int kept = 0;
     VF vmax = hn::Set(d, -std::numeric_limits<float>::infinity());
     // Key indices as iota + offset: Highway 1.0.3's Iota fills a stack array lane by lane, and the
     // vector load of it stalls on store forwarding, so it is built once per call.
     const VI iota = hn::Iota(di, 0);
     if (n == m) {
-      for (int t = 0; t < w_; t += lanes_) {
+      for (int t = 0; t < w; t += lanes_) {
         const VF x = hn::Load(d, s + t);
         vmax = hn::Max(vmax, x);
         hn::Store(x, d, cv + t);
         hn::StoreU(hn::Add(iota, hn::Set(di, j0 + t)), di, ci + t);
       }
-      kept = w_;
-    } else if (((n == 1 && m == 2) || (n == 2 && m == 4)) && !mask::tile_has_whole_groups(whole, j0, w_)) {
+      kept = w;
+    } else if (((n == 1 && m == 2) || (n == 2 && m == 4)) && !mask::tile_has_whole_groups(whole, j0, w)) {
       // W is a multiple of the panel (2 vectors): two vectors of keys give one vector of kept keys.
-      for (int t = 0; t < w_; t += 2 * lanes_) {
+      for (int t = 0; t < w; t += 2 * lanes_) {
         const VF x0 = hn::Load(d, s + t);
         const VF x1 = hn::Load(d, s + t + lanes_);
         vmax = hn::Max(vmax, hn::Max(x0, x1));
@@ -1201,8 +1218,8 @@ struct kernel {
     } else {
       // Other N:M, and tiles touching the sink or recent window (docs/semantics.md), whose whole
       // groups keep every key: few tiles per row, so the scalar rule serves.
-      const bool whole_tile = mask::tile_has_whole_groups(whole, j0, w_);
-      for (int g = 0; g < w_; g += m) {
+      const bool whole_tile = mask::tile_has_whole_groups(whole, j0, w);
+      for (int g = 0; g < w; g += m) {
         const std::uint32_t keep = whole_tile && mask::group_is_whole(whole, j0 + g) ? (1u << m) - 1u
                                                                                    : select_group_generic(s + g, n, m);
         for (int x = 0; x < m; ++x) {
@@ -1213,7 +1230,7 @@ struct kernel {
           }
         }
       }
-      for (int t = 0; t < w_; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
+      for (int t = 0; t < w; t += lanes_) vmax = hn::Max(vmax, hn::Load(d, s + t));
     }
     for (; kept % lanes_ != 0; ++kept) {
       cv[kept] = -std::numeric_limits<float>::infinity();

@@ -56,4 +56,32 @@ void weights_to_pairs(const float* w, int pairs, std::uint32_t* out) noexcept;
 /// for @p rows (configure: the same tiles as qk_tile's).
 void pv_tile(const std::uint32_t* p, int rows, int pairs, const std::uint32_t* v, int dp, float* acc) noexcept;
 
+/// Task rows of the decode kernel's tile products at most (a B tile row holds 16 32-bit columns).
+inline constexpr int kDecodeMaxRows = 16;
+/// Head dims of the decode kernel's tile products: multiples of 32 up to this (the Q K^T keeps
+/// d / 32 B tiles of Q beside the scores' and the keys' tiles, 8 tiles in all).
+inline constexpr int kDecodeMaxDim = 128;
+
+/// The decode kernel's direct Q K^T from a bf16 cache on the tiles, S^T = K Q^T: for @p rows (at
+/// most kDecodeMaxRows) task rows given as @p qt ([d / 2][rows] pairs: columns 2p, in the low half,
+/// and 2p + 1 of row r at qt[p rows + r]) and @p n (a multiple of 16) cache rows k + t * step (bf16,
+/// d contiguous values each, read straight from the cache as A tiles), s[r * ds + t] = the score of
+/// row r and key t; d a multiple of 32, at most kDecodeMaxDim. @p top gets the largest magnitude
+/// bits (x & 0x7fff) of the K values read, maxed into it. Loads its own tile configuration.
+void decode_qk(const std::uint32_t* qt, int rows, int d, const std::uint16_t* k, std::int64_t step, int n, float* s,
+               std::int64_t ds, std::uint16_t* top) noexcept;
+
+/// The decode kernel's key-major P V from a bf16 cache on the tiles, each V row read once for all
+/// rows: acc[r][0, d) += sum over t < @p n of w[r * wstride + key(t)] v(key(t)) for @p rows (at
+/// most kDecodeMaxRows) accumulator rows acc + r * dp, key(t) = @p keys[t] (or t where @p keys is
+/// null), v(j) = v + j * step (bf16, d contiguous values), the weights each split into a bf16 part
+/// and the bf16 of the rest (two tile products: the weight kept to 2^-17 of itself, where the fp32
+/// FMAs of the other kernels keep it whole and bf16 alone to 2^-9), d a multiple of 32, at most
+/// kDecodeMaxDim. Keys go in blocks of 32 of the list (16 pairs: one pair of tile products per 16
+/// columns; a last partial block padded with weight 0 and zero values), so any split of the list
+/// at multiples of 32 gives the same bits. A non-finite V value read reaches every row's
+/// accumulator in its column (0 * inf is NaN). Loads its own tile configuration.
+void decode_pv(float* acc, int rows, int dp, int d, const float* w, std::int64_t wstride, const std::int32_t* keys,
+               int n, const std::uint16_t* v, std::int64_t step) noexcept;
+
 }  // namespace dfss::cpu::amx

@@ -53,6 +53,8 @@
 
 #include "cpu/simd/kernel_parts-inl.h"
 
+#include "core/cpu_features.hpp"
+
 #include <memory>
 
 
@@ -265,6 +267,7 @@ struct decode_workspace {
   aligned_buffer<float> weights, acc_saved;  ///< key-major P V of a direct tile: [rows][W] weights, acc before it
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
   aligned_buffer<std::uint16_t> qb;  ///< avx3_bf16 with a bf16 cache: the group's Q rows as bf16
+  aligned_buffer<std::uint32_t> qt;  ///< the AMX tiles (decode_pass::amx_): Q^T as bf16 column pairs
   aligned_buffer<float> qp;          ///< a bf16 cache in the pair layout: the group's Q rows in it
   aligned_buffer<std::int32_t> union_keys, union_mark;  ///< the tile's keys some row kept, and their marks
   aligned_buffer<std::int32_t> slot_next;  ///< per row: its first slot the next phase of direct_accumulate adds
@@ -296,10 +299,23 @@ class decode_pass : public kernel<T> {
         cstride_(w_ + 2 * lanes_),
         dense_(p.pattern_n == p.pattern_m),
         direct_(!HWY_HAVE_SCALABLE && d_ % lanes_ == 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1),
-        dot_(DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16> && direct_ && d_ % 32 == 0),
+        dot_(DFSS_SIMD_BF16_DOT && (bf16_dot || tiles_fit()) && std::is_same_v<T, bfloat16> && direct_ && d_ % 32 == 0),
         pairs_(std::is_same_v<T, bfloat16> && direct_ && !dot_ && (d_ / lanes_) % 2 == 0),
+        amx_(dot_ && tiles_fit()),
         interleaved_(heads_interleaved(p)),
         bias_masks_(bias_only_masks(p)) {}
+
+  /// Whether the direct path's Q K^T and key-major P V can run on the AMX tiles (amx::decode_qk,
+  /// amx::decode_pv): a bf16 cache with rows of K and V contiguous, d a multiple of 32 up to 128, a
+  /// group of 2 to 16 task rows (grouped heads, drafts), on a CPU with AMX (core::cpu_uses_amx,
+  /// which also has AVX512_BF16). The rest of such a call (keys past the last block of 16, a tile
+  /// whose kept keys are read by index) then takes the vdpbf16ps loops on the avx3 target too:
+  /// slow on Intel's cores where they would carry a whole step (cpu_has_fast_bf16_dot), but only
+  /// the remainders here.
+  bool tiles_fit() const {
+    return DFSS_SIMD_AMX && DFSS_SIMD_BF16_DOT && std::is_same_v<T, bfloat16> && direct_ && d_ % 32 == 0 &&
+           d_ <= amx::kDecodeMaxDim && rows_ >= 2 && rows_ <= amx::kDecodeMaxRows && core::cpu_uses_amx();
+  }
 
   void run() const {
     const std::int64_t pairs = p_.batch * p_.heads_kv;
@@ -386,6 +402,7 @@ class decode_pass : public kernel<T> {
     ws.row_nan.resize(rows);
     ws.q_max.resize(rows);
     if (dot_) ws.qb.resize(rows * dp);
+    if (amx_) ws.qt.resize(rows * dp / 2);
     if (pairs_) ws.qp.resize(rows * dp);
     std::fill(ws.used.ptr, ws.used.ptr + 2 * w, 0);
   }
@@ -432,6 +449,9 @@ class decode_pass : public kernel<T> {
       parity = 1 - parity;
     }
     if (pending >= 0) accumulate(1 - parity, pending);
+#if DFSS_SIMD_AMX
+    if (amx_) amx::release();  // the OS then saves no tile state when it switches this thread out
+#endif
     for (int h = 0; h < n; ++h) end_head(*ws[h], (b * p_.heads_kv + hk0 + h) * chunks_ + chunk, parts);
   }
 
@@ -467,6 +487,12 @@ class decode_pass : public kernel<T> {
         for (int c = 0; c < dp_; ++c) qb[c] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(q[c]) >> 16);
       }
       if (pairs_) to_pairs(q, ws.qp.ptr + static_cast<std::int64_t>(r) * dp_);
+      if (amx_ && r < rows_) {
+        for (int c = 0; c < d_; c += 2) {
+          ws.qt.ptr[(c / 2) * rows_ + r] =
+              (std::bit_cast<std::uint32_t>(q[c]) >> 16) | (std::bit_cast<std::uint32_t>(q[c + 1]) & 0xffff0000u);
+        }
+      }
     }
     return q_risky;
   }
@@ -764,6 +790,13 @@ class decode_pass : public kernel<T> {
     static_assert(bf16dot::kDecodeKeys == HWY_LANES(float), "a block of keys per vector of lanes");
     const auto* kb = reinterpret_cast<const std::uint16_t*>(k);
     std::uint16_t top = 0;
+#if DFSS_SIMD_AMX
+    if (amx_) {
+      const int n = (t_end - t_begin) / 16 * 16;
+      amx::decode_qk(ws.qt.ptr, rows_, d_, kb + t_begin * step, step, n, ws.s.ptr + t_begin, w_, &top);
+      t_begin += n;
+    }
+#endif
     const auto block_rows = [](int left) { return std::min(bf16dot::kDecodeRows, left); };
     dot_blocks(t_begin, t_end, block_rows, [&](int r0, int rb, int t0, int n) {
       bf16dot::decode_dots(ws.qb.ptr + static_cast<std::int64_t>(r0) * dp_, rb, dp_, d_, kb + t0 * step, step, n,
@@ -852,6 +885,13 @@ class decode_pass : public kernel<T> {
       // operand per product) and flushes a denormal partial sum to 0 (below 2^-126 per step, two
       // steps per column pair): at most d 2^-126 (max|q| + max|k| + 1) more.
       if (dot_) e += dd * 0x1p-126 * (static_cast<double>(ws.q_max.ptr[r]) + static_cast<double>(max_k) + 1.0);
+      // On the AMX tiles (amx_tiles.hpp's assumption: each of the d additions within 2u, and the
+      // same denormal flushing) a score is within gamma(2u) d max|q| max|k| + z of the exact dot
+      // product (z: the term above), the fused forward's within gamma(u) d max|q| max|k| + d 2^-149:
+      // E = gamma(2u) d max|q| max|k| + z + d 2^-149 is at least half their sum, so 4 E still
+      // separates two keys whose order either kernel could flip.
+      if (amx_) e += (2.0 * dd * u / (1.0 - 2.0 * dd * u) - gamma) * dd * static_cast<double>(ws.q_max.ptr[r]) *
+                     static_cast<double>(max_k);
       // In fp32, 4 E enlarged by 2^-20 covers the rounding of the subtraction and of the bound.
       const float lim = static_cast<float>(4.0 * e * (1.0 + 0x1p-20));
       float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
@@ -1184,7 +1224,17 @@ class decode_pass : public kernel<T> {
       const int cmax = block_columns(block_rows(rows_ - r0));
       passes += (nv + cmax - 1) / cmax;
     }
-    for (int k0 = u_lo; k0 < u_hi; k0 += kKeyMajorBlock) {
+    // On the AMX tiles (amx_), the phase's keys in one call: its blocks of 32 keys start at
+    // multiples of 32 of the keys read, as this loop's do, so the bits do not depend on the phases.
+    const bool on_tiles = DFSS_SIMD_AMX && amx_;
+#if DFSS_SIMD_AMX
+    if (on_tiles && u_lo < u_hi) {
+      amx::decode_pv(ws.acc.ptr, rows_, dp_, d_, weights + (whole_tile ? u_lo : 0), wstride,
+                     whole_tile ? nullptr : ukeys + u_lo, u_hi - u_lo,
+                     reinterpret_cast<const std::uint16_t*>(v) + (whole_tile ? u_lo * step : 0), step);
+    }
+#endif
+    for (int k0 = on_tiles ? u_hi : u_lo; k0 < u_hi; k0 += kKeyMajorBlock) {
       const int n = std::min(kKeyMajorBlock, nu - k0);
       if (streamed) {
         for (int r0 = 0; r0 < rows_;) {
@@ -1587,6 +1637,9 @@ class decode_pass : public kernel<T> {
   /// first, then the odd ones. The task's accumulators are in it (every P V, direct and panel,
   /// adds rows in it) and are put back in column order as the task ends (from_pairs).
   const bool pairs_;
+  /// The direct path's Q K^T and key-major P V on the AMX tiles (amx::decode_qk, amx::decode_pv):
+  /// dot_ on a CPU with AMX (core::cpu_uses_amx), a group of 2 to 16 rows, d at most 128.
+  const bool amx_;
   /// The kv heads are interleaved in memory (heads_interleaved): tiles go in phases (phase_keys).
   const bool interleaved_;
   /// The bias holds 0 and -inf only (a mask; bias_only_masks): it keeps the direct path.

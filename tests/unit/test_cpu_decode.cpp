@@ -210,6 +210,142 @@ TEST(CpuDecode, MatchesReferenceOnRandomInputs) {
   }
 }
 
+/// Whether a decode step of @p pr with a bf16 cache on @p isa runs its direct tiles on the AMX
+/// tiles (decode_pass::tiles_fit): the AVX-512 kernel (avx3 or avx3_bf16) on a CPU with AMX, d a
+/// multiple of 32 up to 128, 2 to 16 rows per kv head (group times query rows).
+bool decode_on_amx_tiles(const problem& pr, cpu_isa isa) {
+  const cpu_isa runs = isa == cpu_isa::automatic ? automatic_cpu_isa() : isa;
+  const std::int64_t rows = pr.H / pr.Hkv * pr.Lq;
+  return (runs == cpu_isa::avx3 || runs == cpu_isa::avx3_bf16) && avx3_scores_on_amx() && pr.d % 32 == 0 &&
+         pr.d <= 128 && rows >= 2 && rows <= 16;
+}
+
+TEST(CpuDecode, GroupsOfRowsOnTheAmxTilesKeepFp32Weights) {
+  // A bf16 cache with 2 to 16 rows per kv head (3 and 16 rows: the scores' transpose by gathers;
+  // 12 and 16: two blocks of rows in P V), d = 32 to 128, caches that end inside a block of 16
+  // keys, dense and sparse, random normal inputs rounded to bf16. On the AMX tiles each weight goes
+  // into P V as two bf16 parts (to within 2^-18 of itself), so O must stay within the fp32 bound plus
+  // 2^-18 max|v|, where rounding the weights to bf16 alone moves it by up to 2^-9 max|v|. Elsewhere
+  // (no AMX, other ISAs) the usual bound (value_tol). 1 and 3 threads give the same bits.
+  std::mt19937_64 rng(test_seed() + 117);
+  const shape shapes[] = {
+      {1, 1, 47, 4, 2, 32, false, false, {}},     {1, 1, 300, 6, 2, 64, true, false, {}},
+      {2, 1, 1000, 8, 2, 128, false, false, {1000, 333}}, {1, 3, 515, 4, 1, 96, true, false, {}},
+      {1, 1, 700, 16, 1, 128, false, false, {}},  {1, 1, 15, 8, 2, 128, false, false, {}},
+  };
+  constexpr double kSplitWeight = 1.0 / 262144;  // 2^-18
+  int on_tiles = 0;
+  for (const shape& s : shapes) {
+    for (pattern pat : {pattern{4, 4}, pattern{1, 2}, pattern{2, 4}}) {
+      problem pr = make_problem(s, pat, rng, /*integers=*/false);
+      pr.q = round_through<bfloat16>(pr.q);
+      pr.k = round_through<bfloat16>(pr.k);
+      pr.v = round_through<bfloat16>(pr.v);
+      const auto want = run_forward(pr);
+      const auto ties = near_tie_rows(pr, 4.0 * static_cast<double>(pr.d) * kEps32);
+      for (cpu_isa isa : runnable_cpu_isas()) {
+        const bool tiles = decode_on_amx_tiles(pr, isa);
+        on_tiles += tiles ? 1 : 0;
+        const double tol = tiles ? output_tol(pr) + kSplitWeight * max_abs_v(pr) : value_tol(pr, isa, dtype::bf16);
+        run_options opt;
+        opt.type = dtype::bf16;
+        opt.out_type = dtype::f32;
+        opt.backend = backend::cpu;
+        opt.isa = isa;
+        opt.threads = 1;
+        const auto one = run_forward(pr, opt);
+        std::size_t skipped = 0;
+        ASSERT_TRUE(rows_near_except_ties(one.o, want.o, ties, pr.d, tol, &skipped)) << label(pr, isa, dtype::bf16);
+        EXPECT_LE(skipped, ties.size() / 2 + 1) << "too many near-tie rows to be a meaningful test";
+        opt.threads = 3;
+        opt.poison = 4321.0;
+        const auto many = run_forward(pr, opt);
+        EXPECT_EQ(0, std::memcmp(many.o.data(), one.o.data(), one.o.size() * sizeof(double)))
+            << label(pr, isa, dtype::bf16) << " 3 threads";
+      }
+    }
+  }
+  if (avx3_scores_on_amx()) EXPECT_GT(on_tiles, 0) << "a CPU with AMX ran no shape on the tiles";
+}
+
+TEST(CpuDecode, GroupsOfRowsKeepTheFusedSelectionOnNearTies) {
+  // A bf16 cache with 4 query heads per kv head (on a CPU with AMX: the scores on the tiles, whose
+  // summation order Intel leaves open) against near ties decided by rounding: every key is one base
+  // row of values 1 and 1 + 2^-7 with one pair of neighbouring columns swapped (or none), every
+  // query has its pairs of neighbouring columns one bf16 ulp apart, so two keys' exact scores differ
+  // by 0 or 2^-14, an eighth of an fp32 ulp of the scores (about 4200, from a first column of 4096):
+  // less than the rounding of their 64-term sums. With V = I
+  // (d >= Lk) the output row of a head is its P, so key j was kept by a head iff O is positive
+  // there; the fused backward recomputes the selection in the fp32 micro-kernel's order, and dV_j =
+  // sum_i P_ij dO_i (dO = 1) is non-zero iff some head kept key j. A decode step that selected other
+  // keys than the fused kernels (settle_near_ties with a bound too small for its sums) trips it.
+  std::mt19937_64 rng(test_seed() + 118);
+  const std::int64_t Lk = 48, d = 64, H = 4, Hkv = 1;
+  std::uniform_int_distribution<int> pick(0, d / 2), mantissa(0, 127), sign(0, 1);
+  for (cpu_isa isa : runnable_cpu_isas()) {
+    if (isa == cpu_isa::generic) continue;  // the scalar twin has no decode kernel
+    for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
+      std::vector<float> q(static_cast<std::size_t>(H * d)), k(static_cast<std::size_t>(Lk * d)),
+          v(static_cast<std::size_t>(Lk * d), 0.0f);
+      for (std::int64_t h = 0; h < H; ++h) {
+        // Column 0 adds 4096 to every score: the sums then need more than fp32's 24 bits, so they
+        // round, by an amount that depends on the order of the additions.
+        q[static_cast<std::size_t>(h * d)] = 4096.0f;
+        q[static_cast<std::size_t>(h * d + 1)] = 1.0f;
+        for (std::int64_t c = 2; c < d; c += 2) {
+          const float x = 1.0f + static_cast<float>(mantissa(rng)) / 128.0f;  // a bf16 in [1, 2)
+          const float y = x + (sign(rng) != 0 ? 1.0f : -1.0f) / 128.0f;       // one ulp away
+          q[static_cast<std::size_t>(h * d + c)] = x;
+          q[static_cast<std::size_t>(h * d + c + 1)] = y;
+        }
+      }
+      for (std::int64_t j = 0; j < Lk; ++j) {
+        float* row = k.data() + j * d;
+        for (std::int64_t c = 0; c < d; ++c) row[c] = c % 2 == 0 ? 1.0f : 1.0f + 1.0f / 128.0f;
+        row[0] = row[1] = 1.0f;
+        const int m = pick(rng);  // 0 and d / 2: no swap
+        if (m > 0 && m < d / 2) std::swap(row[2 * m], row[2 * m + 1]);
+        v[static_cast<std::size_t>(j * d + j)] = 1.0f;
+      }
+      const auto to_bf16 = [](const std::vector<float>& x) {
+        std::vector<bfloat16> y(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i) y[i].bits = float_to_bf16(x[i]);  // exact: bf16 values
+        return y;
+      };
+      std::vector<bfloat16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), dout(qb.size());
+      for (auto& x : dout) x.bits = float_to_bf16(1.0f);
+      std::vector<float> o(q.size(), -1.0f), lse(static_cast<std::size_t>(H)), dq(q.size()), dk(k.size()), dv(v.size());
+      forward_args f;
+      f.q = make_view(qb.data(), {1, 1, H, d});
+      f.k = make_view(kb.data(), {1, Lk, Hkv, d});
+      f.v = make_view(vb.data(), {1, Lk, Hkv, d});
+      f.out = make_view(o.data(), {1, 1, H, d});
+      f.lse = make_view(lse.data(), {1, H, 1});
+      attention_config cfg;
+      cfg.pattern = pat;
+      cfg.backend = backend::cpu;
+      cfg.cpu_isa = isa;
+      ASSERT_EQ(select_kernel(f, cfg).name.rfind("cpu.decode_forward.", 0), 0u) << cpu_isa_name(isa);
+      attention_forward(f, cfg);
+      backward_args b;
+      b.q = f.q, b.k = f.k, b.v = f.v, b.out = f.out, b.lse = f.lse;
+      b.dout = make_view(dout.data(), {1, 1, H, d});
+      b.dq = make_view(dq.data(), {1, 1, H, d});
+      b.dk = make_view(dk.data(), {1, Lk, Hkv, d});
+      b.dv = make_view(dv.data(), {1, Lk, Hkv, d});
+      attention_backward(b, cfg);
+      int kept_keys = 0;
+      for (std::int64_t j = 0; j < Lk; ++j) {
+        bool kept = false;
+        for (std::int64_t h = 0; h < H; ++h) kept = kept || o[static_cast<std::size_t>(h * d + j)] > 0.0f;
+        kept_keys += kept ? 1 : 0;
+        EXPECT_EQ(dv[static_cast<std::size_t>(j * d + j)] != 0.0f, kept) << pat.str() << " key " << j << " " << cpu_isa_name(isa);
+      }
+      EXPECT_LT(kept_keys, Lk) << "some key must be pruned by every head for the test to mean something";
+    }
+  }
+}
+
 TEST(CpuDecode, ManyChunksAndEmptyRows) {
   // A single (batch, kv head) pair: the cache is split into the most chunks (Lk / 512), so the
   // merge folds over a hundred partial states; batch 1's sequence is empty (O = 0, LSE = -inf) and

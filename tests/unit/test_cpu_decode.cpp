@@ -212,12 +212,13 @@ TEST(CpuDecode, MatchesReferenceOnRandomInputs) {
 
 /// Whether a decode step of @p pr with a bf16 cache on @p isa runs its direct tiles on the AMX
 /// tiles (decode_pass::tiles_fit): the AVX-512 kernel (avx3 or avx3_bf16) on a CPU with AMX, d a
-/// multiple of 32 up to 128, 2 to 16 rows per kv head (group times query rows).
-bool decode_on_amx_tiles(const problem& pr, cpu_isa isa) {
+/// multiple of 32 up to 128, 2 to 16 rows per kv head (group times query rows), kv heads not
+/// interleaved in memory (a [B, Hkv, L, d] cache, @p bhld, or a single kv head).
+bool decode_on_amx_tiles(const problem& pr, cpu_isa isa, bool bhld) {
   const cpu_isa runs = isa == cpu_isa::automatic ? automatic_cpu_isa() : isa;
   const std::int64_t rows = pr.H / pr.Hkv * pr.Lq;
   return (runs == cpu_isa::avx3 || runs == cpu_isa::avx3_bf16) && avx3_scores_on_amx() && pr.d % 32 == 0 &&
-         pr.d <= 128 && rows >= 2 && rows <= 16;
+         pr.d <= 128 && rows >= 2 && rows <= 16 && (bhld || pr.Hkv == 1);
 }
 
 TEST(CpuDecode, GroupsOfRowsOnTheAmxTilesKeepFp32Weights) {
@@ -244,10 +245,11 @@ TEST(CpuDecode, GroupsOfRowsOnTheAmxTilesKeepFp32Weights) {
       const auto want = run_forward(pr);
       const auto ties = near_tie_rows(pr, 4.0 * static_cast<double>(pr.d) * kEps32);
       for (cpu_isa isa : runnable_cpu_isas()) {
-        const bool tiles = decode_on_amx_tiles(pr, isa);
+        const bool tiles = decode_on_amx_tiles(pr, isa, /*bhld=*/true);
         on_tiles += tiles ? 1 : 0;
         const double tol = tiles ? output_tol(pr) + kSplitWeight * max_abs_v(pr) : value_tol(pr, isa, dtype::bf16);
         run_options opt;
+        opt.bhld = true;  // [B, Hkv, L, d], transformers' cache: kv heads not interleaved
         opt.type = dtype::bf16;
         opt.out_type = dtype::f32;
         opt.backend = backend::cpu;
@@ -265,7 +267,9 @@ TEST(CpuDecode, GroupsOfRowsOnTheAmxTilesKeepFp32Weights) {
       }
     }
   }
-  if (avx3_scores_on_amx()) EXPECT_GT(on_tiles, 0) << "a CPU with AMX ran no shape on the tiles";
+  if (avx3_scores_on_amx()) {
+    EXPECT_GT(on_tiles, 0) << "a CPU with AMX ran no shape on the tiles";
+  }
 }
 
 TEST(CpuDecode, GroupsOfRowsKeepTheFusedSelectionOnNearTies) {
@@ -380,11 +384,13 @@ TEST(CpuDecode, ManyChunksAndEmptyRows) {
 /// pattern of O element by element, then the output tolerance; with @p check_lse the LSE too), and
 /// with 3 threads bitwise equal to 1. The fused forward's shapes pass @p bf16 = false, to keep the
 /// test time (CpuSplitForward.SixteenBitInputsAndOutputs covers bf16 there).
-void expect_matches_on_every_isa(const problem& pr, const forward_result& want, bool check_lse, bool bf16 = true) {
+void expect_matches_on_every_isa(const problem& pr, const forward_result& want, bool check_lse, bool bf16 = true,
+                                 bool bhld = false) {
   for (cpu_isa isa : runnable_cpu_isas()) {
     for (dtype t : {dtype::f32, dtype::bf16}) {
       if (t == dtype::bf16 && !bf16) continue;
       run_options opt;
+      opt.bhld = bhld;
       opt.type = t;
       opt.out_type = dtype::f32;
       opt.backend = backend::cpu;
@@ -577,6 +583,8 @@ TEST(CpuDecode, NonFiniteValuesKeptByOneHeadOfAGroup) {
     ASSERT_GT(finite_rows, 0u) << pat.n << ":" << pat.m;
     ASSERT_GT(bad_rows, 0u) << pat.n << ":" << pat.m;
     expect_matches_on_every_isa(pr, want, /*check_lse=*/false);
+    // [B, Hkv, L, d]: with a bf16 cache on a CPU with AMX, the P V of the tiles (amx::decode_pv).
+    expect_matches_on_every_isa(pr, want, /*check_lse=*/false, /*bf16=*/true, /*bhld=*/true);
   }
 }
 

@@ -268,7 +268,6 @@ struct decode_workspace {
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
   aligned_buffer<std::uint16_t> qb;  ///< avx3_bf16 with a bf16 cache: the group's Q rows as bf16
   aligned_buffer<std::uint32_t> qt;  ///< the AMX tiles (decode_pass::amx_): Q^T as bf16 column pairs
-  aligned_buffer<std::int32_t> rescore_keys;  ///< settle_near_ties: the keys to rescore (rescore)
   aligned_buffer<float> qp;          ///< a bf16 cache in the pair layout: the group's Q rows in it
   aligned_buffer<std::int32_t> union_keys, union_mark;  ///< the tile's keys some row kept, and their marks
   aligned_buffer<std::int32_t> slot_next;  ///< per row: its first slot the next phase of direct_accumulate adds
@@ -408,7 +407,6 @@ class decode_pass : public kernel<T> {
     ws.q_max.resize(rows);
     if (dot_) ws.qb.resize(rows * dp);
     if (amx_) ws.qt.resize(rows * dp / 2);
-    ws.rescore_keys.resize(kRescoreKeys);
     if (pairs_) ws.qp.resize(rows * dp);
     std::fill(ws.used.ptr, ws.used.ptr + 2 * w, 0);
   }
@@ -901,24 +899,15 @@ class decode_pass : public kernel<T> {
       // In fp32, 4 E enlarged by 2^-20 covers the rounding of the subtraction and of the bound.
       const float lim = static_cast<float>(4.0 * e * (1.0 + 0x1p-20));
       float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;
-      // The keys to rescore go kRescoreKeys at a time, whole groups (rescore).
-      int pending = 0;
       const auto settle = [&](int g0) {  // group [g0, g0 + m): recomputed if two scores are near
         const int g1 = std::min(keys, g0 + m);
         bool near = false;
         for (int i = g0; i < g1 && !near; ++i) {
           for (int j = i + 1; j < g1 && !near; ++j) near = std::abs(s[i] - s[j]) <= lim;
         }
-        if (!near) return;
-        if (m > kRescoreKeys) {
+        if (near) {
           for (int t = g0; t < g1; ++t) s[t] = fused_order_score(q, k + t * step);
-          return;
         }
-        if (pending + (g1 - g0) > kRescoreKeys) {
-          rescore(ws, q, k, step, s, pending);
-          pending = 0;
-        }
-        for (int t = g0; t < g1; ++t) ws.rescore_keys.ptr[pending++] = t;
       };
       if ((m == 2 || m == 4) && lanes_ >= 4) {
         // Groups of 2 or 4 lie inside 128-bit blocks (tiles and rows start at multiples of the
@@ -939,31 +928,7 @@ class decode_pass : public kernel<T> {
       } else {
         for (int g0 = 0; g0 < keys; g0 += m) settle(g0);
       }
-      if (pending > 0) rescore(ws, q, k, step, s, pending);
     }
-  }
-
-  /// Keys rescored at once by rescore: independent FMA chains, as many as two FMA pipes of 4 cycles'
-  /// latency keep busy.
-  static constexpr int kRescoreKeys = 8;
-
-  /// s[t] = fused_order_score(q, k + t * step) for the @p n (at most kRescoreKeys) keys t in
-  /// ws.rescore_keys: the same MulAdd per column and key as fused_order_score, so the same bits,
-  /// the keys' chains side by side instead of one after another (each chain waits d FMA
-  /// latencies: a 2:4 step of a bf16 cache with grouped heads spent 30% of its time rescoring near
-  /// ties one key at a time on the AMX tiles, whose looser bound finds more of them).
-  void rescore(decode_workspace& ws, const float* q, const T* k, std::int64_t step, float* s, int n) const {
-    const DF d;
-    const T* rows[kRescoreKeys];
-    for (int i = 0; i < kRescoreKeys; ++i) rows[i] = k + ws.rescore_keys.ptr[std::min(i, n - 1)] * step;
-    VF acc[kRescoreKeys];
-    for (VF& a : acc) a = hn::Zero(d);
-    for (int c = 0; c < d_; ++c) {
-      const VF qc = hn::Set(d, q[c]);
-#pragma GCC unroll 8
-      for (int i = 0; i < kRescoreKeys; ++i) acc[i] = hn::MulAdd(qc, hn::Set(d, to_float(rows[i][c])), acc[i]);
-    }
-    for (int i = 0; i < n; ++i) s[ws.rescore_keys.ptr[i]] = hn::GetLane(acc[i]);
   }
 
   /// q . k in the fused forward's micro-kernel order: one MulAdd per column, in increasing order,

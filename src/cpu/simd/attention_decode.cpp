@@ -263,7 +263,7 @@ struct panel_scratch {
 /// kept scores and offsets, accumulator and softmax state; the panel path's at @p panel (the task's).
 struct decode_workspace {
   panel_scratch* panel = nullptr;
-  aligned_buffer<float> q, q_max, s, acc, cv, row_max, row_sum, row_tile_max;
+  aligned_buffer<float> q, q_max, q_l1, s, acc, cv, row_max, row_sum, row_tile_max;
   aligned_buffer<float> weights, acc_saved;  ///< key-major P V of a direct tile: [rows][W] weights, acc before it
   aligned_buffer<std::int32_t> ci, kept, row_nan, used;
   aligned_buffer<std::uint16_t> qb;  ///< avx3_bf16 with a bf16 cache: the group's Q rows as bf16
@@ -405,6 +405,7 @@ class decode_pass : public kernel<T> {
     ws.row_tile_max.resize(rows);
     ws.row_nan.resize(rows);
     ws.q_max.resize(rows);
+    ws.q_l1.resize(rows);
     if (dot_) ws.qb.resize(rows * dp);
     if (amx_) ws.qt.resize(rows * dp / 2);
     if (pairs_) ws.qp.resize(rows * dp);
@@ -486,6 +487,11 @@ class decode_pass : public kernel<T> {
       VF top = hn::Zero(d);
       for (int c = 0; c < dp_; c += lanes_) top = hn::Max(top, hn::Abs(hn::Load(d, q + c)));
       ws.q_max.ptr[r] = hn::GetLane(hn::MaxOfLanes(d, top));
+      // sum_c |q_c|, for settle_near_ties' bound: in fp64, then enlarged past the rounding to fp32
+      // so that it stays at least the exact sum.
+      double l1 = 0.0;
+      for (int c = 0; c < d_; ++c) l1 += std::abs(static_cast<double>(q[c]));
+      ws.q_l1.ptr[r] = static_cast<float>(l1 * (1.0 + 0x1p-20));
       if (dot_) {
         std::uint16_t* qb = ws.qb.ptr + static_cast<std::int64_t>(r) * dp_;
         for (int c = 0; c < dp_; ++c) qb[c] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(q[c]) >> 16);
@@ -867,8 +873,10 @@ class decode_pass : public kernel<T> {
   int phase_keys(int keys) const { return interleaved_ ? kDecodePhaseKeys : std::max(keys, 1); }
 
   /// Makes a direct tile's selection the fused forward's (and so the fused backward's, which
-  /// recomputes it): each direct score is within E = gamma_d sum_c |q_c k_c| <= gamma_d d max|q| max|k|
-  /// (gamma_d = d u / (1 - d u), u = 2^-24, plus 2^-149 per product for underflow) of the exact dot
+  /// recomputes it): each direct score is within E = gamma_d sum_c |q_c k_c| <= gamma_d max|k|
+  /// sum_c |q_c| (gamma_d = d u / (1 - d u), u = 2^-24, plus 2^-149 per product for underflow; the
+  /// bound was gamma_d d max|q| max|k| until 2026-12-06, several times looser on random rows, and
+  /// with the AMX tiles' gamma_d(2u) 2:4 with grouped heads spent 30% of a step rescoring) of the exact dot
   /// product, and so is the fused forward's, so a direct score and the fused forward's score of the
   /// same key differ by at most 2 E, and where every two direct scores of a group differ by more
   /// than 4 E (twice that: each of the two may move by 2 E) both orders rank the group alike. (The
@@ -884,18 +892,18 @@ class decode_pass : public kernel<T> {
     const double gamma = dd * u / (1.0 - dd * u);
     for (int r = 0; r < rows_; ++r) {
       const float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
-      double e = gamma * dd * static_cast<double>(ws.q_max.ptr[r]) * static_cast<double>(max_k) + dd * 0x1p-149;
+      const double a = static_cast<double>(ws.q_l1.ptr[r]) * static_cast<double>(max_k);  // >= sum_c |q_c k_c|
+      double e = gamma * a + dd * 0x1p-149;
       // vdpbf16ps reads a denormal bf16 operand as 0 (an error below 2^-126 times the other
       // operand per product) and flushes a denormal partial sum to 0 (below 2^-126 per step, two
       // steps per column pair): at most d 2^-126 (max|q| + max|k| + 1) more.
       if (dot_) e += dd * 0x1p-126 * (static_cast<double>(ws.q_max.ptr[r]) + static_cast<double>(max_k) + 1.0);
       // On the AMX tiles (amx_tiles.hpp's assumption: each of the d additions within 2u, and the
-      // same denormal flushing) a score is within gamma(2u) d max|q| max|k| + z of the exact dot
-      // product (z: the term above), the fused forward's within gamma(u) d max|q| max|k| + d 2^-149:
-      // E = gamma(2u) d max|q| max|k| + z + d 2^-149 is at least half their sum, so 4 E still
-      // separates two keys whose order either kernel could flip.
-      if (amx_) e += (2.0 * dd * u / (1.0 - 2.0 * dd * u) - gamma) * dd * static_cast<double>(ws.q_max.ptr[r]) *
-                     static_cast<double>(max_k);
+      // same denormal flushing) a score is within gamma(2u) A + z of the exact dot product (z: the
+      // term above, A: sum_c |q_c k_c|), the fused forward's within gamma(u) A + d 2^-149:
+      // E = gamma(2u) A + z + d 2^-149 is at least half their sum, so 4 E still separates two keys
+      // whose order either kernel could flip.
+      if (amx_) e += (2.0 * dd * u / (1.0 - 2.0 * dd * u) - gamma) * a;
       // In fp32, 4 E enlarged by 2^-20 covers the rounding of the subtraction and of the bound.
       const float lim = static_cast<float>(4.0 * e * (1.0 + 0x1p-20));
       float* s = ws.s.ptr + static_cast<std::int64_t>(r) * w_;

@@ -1,7 +1,8 @@
 // The fused forward's Q K^T and P V on Intel's AMX tiles (tdpbf16ps), for bf16 inputs on CPUs with
-// AMX-BF16 (core::cpu_uses_amx). One translation unit compiled with -mamx-tile -mamx-bf16
-// (amx_tiles.cpp, only where the compiler has the flags: DFSS_HAVE_AMX); the AVX3 instance of the
-// forward calls it, only when core::cpu_uses_amx() said yes.
+// AMX-BF16 (core::cpu_uses_amx), and the grouped decode's (decode_qk, decode_pv: a bf16 cache with
+// 2 to 16 rows per kv head). One translation unit compiled with -mamx-tile -mamx-bf16
+// (amx_tiles.cpp, only where the compiler has the flags: DFSS_HAVE_AMX); the AVX3 instances of the
+// forward and the decode forward call it, only when core::cpu_uses_amx() said yes.
 //
 // Numerics: tdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, but in an order and
 // with roundings that Intel does not specify (measured on Sapphire Rapids: the bits match neither

@@ -284,6 +284,7 @@ void decode_pv_rows(float* acc, int rows, int dp, const float* w, std::int64_t w
       base = rows_copy;
       stride = 2L * d;
     }
+    // One block of 32 columns after another, written out: a tile's number is an immediate.
     _tile_loadd(2, base, stride);
     _tile_dpbf16ps(4, 0, 2);
     _tile_dpbf16ps(4, 1, 2);

@@ -463,6 +463,27 @@ problem slice_rows(const problem& pr, std::int64_t i0, std::int64_t n) {
   return out;
 }
 
+/// @p pr with its head dim widened to @p d by zero columns of Q, K, V and dO (the scale kept):
+/// the same scores and outputs, at a head dim the AVX-512 decode's tile products take.
+problem widen_head_dim(const problem& pr, std::int64_t d) {
+  problem out = pr;
+  out.d = d;
+  out.scale = pr.resolved_scale();
+  const auto widen = [&](const std::vector<double>& x) {
+    std::vector<double> y(x.size() / static_cast<std::size_t>(pr.d) * static_cast<std::size_t>(d), 0.0);
+    for (std::size_t r = 0; r < x.size() / static_cast<std::size_t>(pr.d); ++r) {
+      std::copy_n(x.begin() + static_cast<std::ptrdiff_t>(r * static_cast<std::size_t>(pr.d)), pr.d,
+                  y.begin() + static_cast<std::ptrdiff_t>(r * static_cast<std::size_t>(d)));
+    }
+    return y;
+  };
+  out.q = widen(pr.q);
+  out.k = widen(pr.k);
+  out.v = widen(pr.v);
+  if (!pr.dout.empty()) out.dout = widen(pr.dout);
+  return out;
+}
+
 /// The decode kernel (selected for few query rows on every SIMD target) on slices of 4 rows of
 /// every case: rows 0 to 11, where the cases put their special rows (a NaN row, a +inf kept or
 /// masked, an empty row, huge scores, a tie), against the reference of each slice.
@@ -475,24 +496,30 @@ TEST_P(ExtremeDecode, SlicesMatchReference) {
     c.pr = slice_rows(whole.pr, i0, 4);
     for (pattern pat : kPatterns) {
       c.pr.pat = pat;
-      for (dtype t : kTypes) {
-        problem pr;
-        if (!rounded_to(c.pr, t, pr)) continue;
-        const auto want = run_forward(pr);
-        for (double poison : {kNaN, kFinitePoison}) {
-          run_options opt;
-          opt.type = t;
-          opt.out_type = dtype::f32;
-          opt.backend = backend::cpu;
-          opt.isa = kn.isa;
-          opt.poison = poison;
-          const auto got = run_forward(pr, opt);
-          // The decode forward keeps P in fp32 on every target (avx3_bf16 takes bf16 dot products
-          // for Q K^T only).
-          expect_forward_matches(c, pr, got, want, /*p_in_bf16=*/false,
-                                 pr.describe() + " rows from " + std::to_string(i0) + " " + dtype_name(t) +
-                                     " poison " + std::to_string(poison));
-          ++ran;
+      // Also, in bf16, at d = 32 in a [B, H, L, d] layout: on a CPU with AMX the decode's tile
+      // products (2 heads per kv head times 4 rows), where their inputs are tame.
+      for (int wide = 0; wide < 2; ++wide) {
+        for (dtype t : kTypes) {
+          if (wide == 1 && t != dtype::bf16) continue;
+          problem pr;
+          if (!rounded_to(wide == 1 ? widen_head_dim(c.pr, 32) : c.pr, t, pr)) continue;
+          const auto want = run_forward(pr);
+          for (double poison : {kNaN, kFinitePoison}) {
+            run_options opt;
+            opt.bhld = wide == 1;
+            opt.type = t;
+            opt.out_type = dtype::f32;
+            opt.backend = backend::cpu;
+            opt.isa = kn.isa;
+            opt.poison = poison;
+            const auto got = run_forward(pr, opt);
+            // The decode forward keeps P in fp32 on every target (avx3_bf16 takes bf16 dot products
+            // for Q K^T only; the AMX tiles' two bf16 parts keep each weight to 2^-18, inside the bound).
+            expect_forward_matches(c, pr, got, want, /*p_in_bf16=*/false,
+                                   pr.describe() + " rows from " + std::to_string(i0) + " " + dtype_name(t) +
+                                       " poison " + std::to_string(poison));
+            ++ran;
+          }
         }
       }
     }

@@ -877,17 +877,18 @@ class decode_pass : public kernel<T> {
 
   /// Makes a direct tile's selection the fused forward's (and so the fused backward's, which
   /// recomputes it): each direct score is within E = gamma_d sum_c |q_c k_c| <= gamma_d max|k|
-  /// sum_c |q_c| (gamma_d = d u / (1 - d u), u = 2^-24, plus 2^-149 per product for underflow; the
-  /// bound was gamma_d d max|q| max|k| until 2026-12-06, several times looser on random rows, and
-  /// with the AMX tiles' gamma_d(2u) 2:4 with grouped heads spent 30% of a step rescoring) of the exact dot
-  /// product, and so is the fused forward's, so a direct score and the fused forward's score of the
-  /// same key differ by at most 2 E, and where every two direct scores of a group differ by more
-  /// than 4 E (twice that: each of the two may move by 2 E) both orders rank the group alike. (The
-  /// bound was 2 E until 2026-12-03, which let two scores between 2 E and 4 E apart rank either
-  /// way; E is so loose that no test found it.) A group with two scores closer than that (a near
-  /// tie: rare on real data, every exact tie of integer inputs) has its scores recomputed in the
-  /// fused forward's order (fused_order_score). Checked by CpuBackward.UsesExactlyTheForwardSelection,
-  /// whose near ties everywhere are decided by rounding.
+  /// sum_c |q_c| (gamma_d = d u / (1 - d u), u = 2^-24, plus 2^-149 per product for underflow) of
+  /// the exact dot product, and so is the fused forward's, so a direct score and the fused
+  /// forward's score of the same key differ by at most 2 E, and where every two direct scores of a
+  /// group differ by more than 4 E (twice that: each of the two may move by 2 E) both orders rank
+  /// the group alike. (The bound was 2 E until 2026-12-03, which let two scores between 2 E and 4 E
+  /// apart rank either way; E is so loose that no test found it.) A group with two scores closer
+  /// than that (a near tie: rare on real data, every exact tie of integer inputs) has its scores
+  /// recomputed in the fused forward's order (fused_order_score). Checked by
+  /// CpuBackward.UsesExactlyTheForwardSelection and CpuDecode.GroupsOfRowsKeepTheFusedSelectionOnNearTies,
+  /// whose near ties are decided by rounding. Until 2026-12-06 the bound took
+  /// sum_c |q_c k_c| <= d max|q| max|k|, several times looser on random rows: with the AMX tiles'
+  /// gamma_d(2u) on top, 2:4 with grouped heads spent 30% of a step rescoring.
   void settle_near_ties(decode_workspace& ws, const T* k, std::int64_t step, int keys, float max_k) const {
     const DF d;
     const int m = p_.pattern_m;
@@ -1241,7 +1242,7 @@ class decode_pass : public kernel<T> {
     }
     // On the AMX tiles (amx_), the phase's keys in one call: its blocks of 32 keys start at
     // multiples of 32 of the keys read, as this loop's do, so the bits do not depend on the phases.
-    const bool on_tiles = DFSS_SIMD_AMX && amx_;
+    const bool on_tiles = amx_;
 #if DFSS_SIMD_AMX
     if (on_tiles && u_lo < u_hi) {
       amx::decode_pv(ws.acc.ptr, rows_, dp_, d_, weights + (whole_tile ? u_lo : 0), wstride,
@@ -1652,8 +1653,8 @@ class decode_pass : public kernel<T> {
   /// first, then the odd ones. The task's accumulators are in it (every P V, direct and panel,
   /// adds rows in it) and are put back in column order as the task ends (from_pairs).
   const bool pairs_;
-  /// The direct path's Q K^T and key-major P V on the AMX tiles (amx::decode_qk, amx::decode_pv):
-  /// dot_ on a CPU with AMX (core::cpu_uses_amx), a group of 2 to 16 rows, d at most 128.
+  /// The direct path's Q K^T and key-major P V on the AMX tiles (amx::decode_qk, amx::decode_pv)
+  /// where tiles_fit; the rest of the call takes the vdpbf16ps loops (dot_).
   const bool amx_;
   /// The kv heads are interleaved in memory (heads_interleaved): tiles go in phases (phase_keys).
   const bool interleaved_;

@@ -637,7 +637,12 @@ class decode_pass : public kernel<T> {
     constexpr int L = static_cast<int>(hn::MaxLanes(DF()));
     const int nv = NV > 0 ? NV : d_ / L;
     const VI magnitude = hn::Set(di, 0x7fffffff);
+    // On AVX-512 fewer rows than a block's (one row: MHA) hold their Q too.
+#if HWY_TARGET <= HWY_AVX3
+    constexpr bool kHeld = NV > 0 && R <= dot_block_rows<NV>() && R * NV <= 16;
+#else
     constexpr bool kHeld = NV > 0 && dot_block_rows<NV>() == R && R * NV <= 16;
+#endif
     VI t_top = top;
     // In the pair layout, Check keeps the largest magnitude bits of the bf16 values themselves per
     // 16-bit lane (one AND and one maximum per two vectors, not per vector), widened into top at

@@ -14,6 +14,7 @@
 #include <bit>
 #include <cstring>
 
+#include "common/near_ties.hpp"
 #include "common/run.hpp"
 #include "common/testing.hpp"
 
@@ -516,6 +517,46 @@ TEST(Cpu, AmxKeepsTheFp32Selection) {
     int differ = 0;
     for (std::size_t e = 0; e < got.o.size(); ++e) differ += (got.o[e] > 0.0) != (fp32.o[e] > 0.0);
     EXPECT_EQ(differ, 0) << pr.describe();
+  }
+}
+
+TEST(Cpu, NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder) {
+  // The fused forward on every ISA, fp32 and bf16 inputs, keeps the keys that its fp32 micro-kernel's
+  // order of additions ranks first, also where that order and the exact one disagree by a fifth of
+  // select_amx's bound for settling a pair (tests/common/near_ties.hpp: the micro-kernel moves each
+  // score by about half a ulp per column, up for one kind of key and down for the other, while the
+  // AMX tiles' sums of pairs stay near exact). AmxKeepsTheFp32Selection cannot tell a bound many
+  // times too small from the right one; on a CPU with AMX this test fails with select_amx's per-key
+  // bound divided by 6 (by 5 it still settles the widest pairs). V = I (d >= Lk): O's row is P.
+  // Lq = 40: a task of 32 rows and one of 8, more than the decode kernel's rows.
+  std::mt19937_64 rng(test_seed() + 23);
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
+    problem pr;
+    pr.B = 1, pr.Lq = 40, pr.Lk = 96, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
+    // q_small = 1: sum|k| near B, select_amx's per-key bound at its tightest.
+    const rounding_contest contest = make_rounding_contest(pat.m, pr.Lk, pr.d, rng, 1.0);
+    pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
+    for (std::int64_t row = 0; row < pr.Lq * pr.H; ++row) {
+      std::copy(contest.q_row.begin(), contest.q_row.end(), pr.q.begin() + row * pr.d);
+    }
+    pr.k = contest.k;
+    pr.v.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
+    for (std::int64_t j = 0; j < pr.Lk; ++j) pr.v[static_cast<std::size_t>(j * pr.d + j)] = 1.0;
+    ASSERT_TRUE(same_bits(rounded_to_bf16(pr).k, pr.k)) << "every value of the contest is a bf16";
+    for (cpu_isa isa : runnable_isas()) {
+      for (dtype type : {dtype::f32, dtype::bf16}) {
+        run_options opt = bf16_options(isa);
+        opt.type = type;
+        const auto got = run_forward(pr, opt);
+        int wrong = 0;
+        for (std::int64_t row = 0; row < pr.Lq * pr.H; ++row) {
+          for (std::int64_t j = 0; j < pr.Lk; ++j) {
+            wrong += (got.o[static_cast<std::size_t>(row * pr.d + j)] > 0.0) != contest.kept[static_cast<std::size_t>(j)];
+          }
+        }
+        EXPECT_EQ(wrong, 0) << pr.describe() << " " << dtype_name(type) << " isa=" << cpu_isa_name(isa);
+      }
+    }
   }
 }
 

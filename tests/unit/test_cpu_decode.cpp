@@ -19,6 +19,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/near_ties.hpp"
 #include "common/run.hpp"
 #include "common/testing.hpp"
 
@@ -346,6 +347,73 @@ TEST(CpuDecode, GroupsOfRowsKeepTheFusedSelectionOnNearTies) {
         EXPECT_EQ(dv[static_cast<std::size_t>(j * d + j)] != 0.0f, kept) << pat.str() << " key " << j << " " << cpu_isa_name(isa);
       }
       EXPECT_LT(kept_keys, Lk) << "some key must be pruned by every head for the test to mean something";
+    }
+  }
+}
+
+TEST(CpuDecode, NearTiesAsFarApartAsTheBoundAllowsFollowTheFusedOrder) {
+  // settle_near_ties rescores a group in the fused forward's order when two of its direct scores
+  // are within 4 E, E = gamma_d max|k| sum|q| (the rounding bound of either order). The test above
+  // cannot tell a bound 64 times too small from the right one: its scores round by far less than
+  // E. Here (tests/common/near_ties.hpp) the fused order's rounding moves each score by about 0.64
+  // E, up for one kind of key and down for the other, while the direct path's (lanes, tiles) stays
+  // within a few ulps of exact, so every group is a near tie more than E wide: with the bound
+  // divided by 4 the decode step selects otherwise than the fused kernels (fp32, and bf16 without
+  // AMX; the AMX tiles' bound is twice as loose, and dividing it by 8 fails there). The fused
+  // backward recomputes the selection in the fused order: dV (V = I, dO = 1) must be non-zero at
+  // exactly the keys the forward kept, which must be the contest's.
+  std::mt19937_64 rng(test_seed() + 119);
+  const std::int64_t Lk = 96, d = 128, H = 4, Hkv = 1;
+  for (cpu_isa isa : runnable_cpu_isas()) {
+    if (isa == cpu_isa::generic) continue;  // the scalar twin has no decode kernel
+    for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
+      for (dtype type : {dtype::f32, dtype::bf16}) {
+        const rounding_contest contest = make_rounding_contest(pat.m, Lk, d, rng);
+        std::vector<float> q(static_cast<std::size_t>(H * d)), k(contest.k.begin(), contest.k.end()),
+            v(static_cast<std::size_t>(Lk * d), 0.0f);
+        for (std::int64_t h = 0; h < H; ++h) std::copy(contest.q_row.begin(), contest.q_row.end(), q.begin() + h * d);
+        for (std::int64_t j = 0; j < Lk; ++j) v[static_cast<std::size_t>(j * d + j)] = 1.0f;  // V = I: O of a head is its P
+        std::vector<float> o(q.size(), -1.0f), lse(static_cast<std::size_t>(H), -1.0f), dq(q.size(), -1.0f),
+            dk(k.size(), -1.0f), dv(v.size(), -1.0f), dout(q.size(), 1.0f);
+        const auto to_bf16 = [](const std::vector<float>& x) {
+          std::vector<bfloat16> y(x.size());
+          for (std::size_t i = 0; i < x.size(); ++i) {
+            y[i].bits = float_to_bf16(x[i]);
+            EXPECT_EQ(bf16_to_float(y[i].bits), x[i]) << "every value of the contest is a bf16";
+          }
+          return y;
+        };
+        std::vector<bfloat16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), doutb = to_bf16(dout);
+        const bool f32 = type == dtype::f32;
+        forward_args f;
+        f.q = f32 ? make_view(q.data(), {1, 1, H, d}) : make_view(qb.data(), {1, 1, H, d});
+        f.k = f32 ? make_view(k.data(), {1, Lk, Hkv, d}) : make_view(kb.data(), {1, Lk, Hkv, d});
+        f.v = f32 ? make_view(v.data(), {1, Lk, Hkv, d}) : make_view(vb.data(), {1, Lk, Hkv, d});
+        f.out = make_view(o.data(), {1, 1, H, d});
+        f.lse = make_view(lse.data(), {1, H, 1});
+        attention_config cfg;
+        cfg.pattern = pat;
+        cfg.backend = backend::cpu;
+        cfg.cpu_isa = isa;
+        const std::string where =
+            pat.str() + " " + dtype_name(type) + " " + cpu_isa_name(isa) + " seed=" + std::to_string(test_seed());
+        ASSERT_EQ(select_kernel(f, cfg).name.rfind("cpu.decode_forward.", 0), 0u) << where;
+        attention_forward(f, cfg);
+        backward_args b;
+        b.q = f.q, b.k = f.k, b.v = f.v, b.out = f.out, b.lse = f.lse;
+        b.dout = f32 ? make_view(dout.data(), {1, 1, H, d}) : make_view(doutb.data(), {1, 1, H, d});
+        b.dq = make_view(dq.data(), {1, 1, H, d});
+        b.dk = make_view(dk.data(), {1, Lk, Hkv, d});
+        b.dv = make_view(dv.data(), {1, Lk, Hkv, d});
+        attention_backward(b, cfg);
+        for (std::int64_t j = 0; j < Lk; ++j) {
+          const bool want = contest.kept[static_cast<std::size_t>(j)];
+          for (std::int64_t h = 0; h < H; ++h) {
+            EXPECT_EQ(o[static_cast<std::size_t>(h * d + j)] > 0.0f, want) << where << " head " << h << " key " << j;
+          }
+          EXPECT_EQ(dv[static_cast<std::size_t>(j * d + j)] != 0.0f, want) << where << " key " << j << " (backward)";
+        }
+      }
     }
   }
 }

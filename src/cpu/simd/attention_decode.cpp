@@ -894,7 +894,9 @@ class decode_pass : public kernel<T> {
   /// than that (a near tie: rare on real data, every exact tie of integer inputs) has its scores
   /// recomputed in the fused forward's order (fused_order_score). Checked by
   /// CpuBackward.UsesExactlyTheForwardSelection and CpuDecode.GroupsOfRowsKeepTheFusedSelectionOnNearTies,
-  /// whose near ties are decided by rounding. Until 2026-12-06 the bound took
+  /// whose near ties are decided by rounding, and by
+  /// CpuDecode.NearTiesAsFarApartAsTheBoundAllowsFollowTheFusedOrder, whose are wider than E (it
+  /// fails with the bound divided by 4). Until 2026-12-06 the bound took
   /// sum_c |q_c k_c| <= d max|q| max|k|, several times looser on random rows: with the AMX tiles'
   /// gamma_d(2u) on top, 2:4 with grouped heads spent 30% of a step rescoring.
   void settle_near_ties(decode_workspace& ws, const T* k, std::int64_t step, int keys, float max_k) const {

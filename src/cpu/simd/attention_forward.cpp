@@ -683,7 +683,8 @@ class forward_pass : public kernel<T> {
   /// d max|q| max|k| settling was 22% of a 2:4 call and 2:4 slower than without AMX; with A from a
   /// second tile product of |Q| and |K| (tighter still) the product and the pass cost more than this
   /// per-key bound does. Checked by Cpu.AmxKeepsTheFp32Selection (which fails with the settling
-  /// removed) and by the CPU tests, which run with AMX wherever the CPU has it.
+  /// removed), Cpu.NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder (which fails with the bound
+  /// divided by 6) and by the CPU tests, which run with AMX wherever the CPU has it.
   float select_amx(workspace& ws, int r, std::int64_t j0, float* s, const mask::whole_groups& whole) const {
 #if DFSS_SIMD_AMX
     const auto j = static_cast<std::int32_t>(j0);

@@ -273,6 +273,70 @@ TEST(CpuDecode, GroupsOfRowsOnTheAmxTilesKeepFp32Weights) {
   }
 }
 
+/// Values exactly representable in bf16, as bf16 (a test failure where one is not).
+std::vector<bfloat16> exact_bf16(const std::vector<float>& x) {
+  std::vector<bfloat16> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    y[i].bits = float_to_bf16(x[i]);
+    EXPECT_EQ(bf16_to_float(y[i].bits), x[i]) << "value " << i << " is not a bf16";
+  }
+  return y;
+}
+
+/// The keys kept by a decode step of H query heads (one row each, Q [1, 1, H, d]) against one kv
+/// head of Lk keys with V = I (d >= Lk; every input of type T), and by the fused backward of it with
+/// dO = 1, which recomputes the selection in the fused forward's order: forward[h][j] where O of
+/// head h is positive at j (its P), backward[j] where dV_j = sum_h P_hj is non-zero.
+struct kept_keys {
+  std::vector<std::vector<bool>> forward;
+  std::vector<bool> backward;
+};
+
+template <typename T>
+kept_keys decode_and_backward_keep(const std::vector<T>& q, const std::vector<T>& k, const std::vector<T>& v,
+                                   std::int64_t H, std::int64_t Lk, std::int64_t d, pattern pat, cpu_isa isa,
+                                   const std::string& where) {
+  std::vector<T> dout(q.size());
+  for (auto& x : dout) {
+    if constexpr (std::is_same_v<T, float>) {
+      x = 1.0f;
+    } else {
+      x.bits = float_to_bf16(1.0f);
+    }
+  }
+  std::vector<float> o(q.size(), -1.0f), lse(static_cast<std::size_t>(H), -1.0f), dq(q.size(), -1.0f), dk(k.size(), -1.0f),
+      dv(v.size(), -1.0f);
+  forward_args f;
+  f.q = make_view(q.data(), {1, 1, H, d});
+  f.k = make_view(k.data(), {1, Lk, 1, d});
+  f.v = make_view(v.data(), {1, Lk, 1, d});
+  f.out = make_view(o.data(), {1, 1, H, d});
+  f.lse = make_view(lse.data(), {1, H, 1});
+  attention_config cfg;
+  cfg.pattern = pat;
+  cfg.backend = backend::cpu;
+  cfg.cpu_isa = isa;
+  EXPECT_EQ(select_kernel(f, cfg).name.rfind("cpu.decode_forward.", 0), 0u) << where;
+  attention_forward(f, cfg);
+  backward_args b;
+  b.q = f.q, b.k = f.k, b.v = f.v, b.out = f.out, b.lse = f.lse;
+  b.dout = make_view(dout.data(), {1, 1, H, d});
+  b.dq = make_view(dq.data(), {1, 1, H, d});
+  b.dk = make_view(dk.data(), {1, Lk, 1, d});
+  b.dv = make_view(dv.data(), {1, Lk, 1, d});
+  attention_backward(b, cfg);
+  kept_keys kept;
+  kept.forward.assign(static_cast<std::size_t>(H), std::vector<bool>(static_cast<std::size_t>(Lk)));
+  kept.backward.assign(static_cast<std::size_t>(Lk), false);
+  for (std::int64_t j = 0; j < Lk; ++j) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      kept.forward[static_cast<std::size_t>(h)][static_cast<std::size_t>(j)] = o[static_cast<std::size_t>(h * d + j)] > 0.0f;
+    }
+    kept.backward[static_cast<std::size_t>(j)] = dv[static_cast<std::size_t>(j * d + j)] != 0.0f;
+  }
+  return kept;
+}
+
 TEST(CpuDecode, GroupsOfRowsKeepTheFusedSelectionOnNearTies) {
   // A bf16 cache with 4 query heads per kv head (on a CPU with AMX: the scores on the tiles, whose
   // summation order Intel leaves open) against near ties decided by rounding: every key is one base
@@ -285,7 +349,7 @@ TEST(CpuDecode, GroupsOfRowsKeepTheFusedSelectionOnNearTies) {
   // sum_i P_ij dO_i (dO = 1) is non-zero iff some head kept key j. A decode step that selected other
   // keys than the fused kernels (settle_near_ties with a bound too small for its sums) trips it.
   std::mt19937_64 rng(test_seed() + 118);
-  const std::int64_t Lk = 48, d = 64, H = 4, Hkv = 1;
+  const std::int64_t Lk = 48, d = 64, H = 4;
   std::uniform_int_distribution<int> pick(0, d / 2), mantissa(0, 127), sign(0, 1);
   for (cpu_isa isa : runnable_cpu_isas()) {
     if (isa == cpu_isa::generic) continue;  // the scalar twin has no decode kernel
@@ -312,39 +376,14 @@ TEST(CpuDecode, GroupsOfRowsKeepTheFusedSelectionOnNearTies) {
         if (m > 0 && m < d / 2) std::swap(row[2 * m], row[2 * m + 1]);
         v[static_cast<std::size_t>(j * d + j)] = 1.0f;
       }
-      const auto to_bf16 = [](const std::vector<float>& x) {
-        std::vector<bfloat16> y(x.size());
-        for (std::size_t i = 0; i < x.size(); ++i) y[i].bits = float_to_bf16(x[i]);  // exact: bf16 values
-        return y;
-      };
-      std::vector<bfloat16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), dout(qb.size());
-      for (auto& x : dout) x.bits = float_to_bf16(1.0f);
-      std::vector<float> o(q.size(), -1.0f), lse(static_cast<std::size_t>(H)), dq(q.size()), dk(k.size()), dv(v.size());
-      forward_args f;
-      f.q = make_view(qb.data(), {1, 1, H, d});
-      f.k = make_view(kb.data(), {1, Lk, Hkv, d});
-      f.v = make_view(vb.data(), {1, Lk, Hkv, d});
-      f.out = make_view(o.data(), {1, 1, H, d});
-      f.lse = make_view(lse.data(), {1, H, 1});
-      attention_config cfg;
-      cfg.pattern = pat;
-      cfg.backend = backend::cpu;
-      cfg.cpu_isa = isa;
-      ASSERT_EQ(select_kernel(f, cfg).name.rfind("cpu.decode_forward.", 0), 0u) << cpu_isa_name(isa);
-      attention_forward(f, cfg);
-      backward_args b;
-      b.q = f.q, b.k = f.k, b.v = f.v, b.out = f.out, b.lse = f.lse;
-      b.dout = make_view(dout.data(), {1, 1, H, d});
-      b.dq = make_view(dq.data(), {1, 1, H, d});
-      b.dk = make_view(dk.data(), {1, Lk, Hkv, d});
-      b.dv = make_view(dv.data(), {1, Lk, Hkv, d});
-      attention_backward(b, cfg);
+      const std::string where = pat.str() + " " + cpu_isa_name(isa) + " seed=" + std::to_string(test_seed());
+      const kept_keys got = decode_and_backward_keep(exact_bf16(q), exact_bf16(k), exact_bf16(v), H, Lk, d, pat, isa, where);
       int kept_keys = 0;
       for (std::int64_t j = 0; j < Lk; ++j) {
         bool kept = false;
-        for (std::int64_t h = 0; h < H; ++h) kept = kept || o[static_cast<std::size_t>(h * d + j)] > 0.0f;
+        for (std::int64_t h = 0; h < H; ++h) kept = kept || got.forward[static_cast<std::size_t>(h)][static_cast<std::size_t>(j)];
         kept_keys += kept ? 1 : 0;
-        EXPECT_EQ(dv[static_cast<std::size_t>(j * d + j)] != 0.0f, kept) << pat.str() << " key " << j << " " << cpu_isa_name(isa);
+        EXPECT_EQ(got.backward[static_cast<std::size_t>(j)], kept) << where << " key " << j;
       }
       EXPECT_LT(kept_keys, Lk) << "some key must be pruned by every head for the test to mean something";
     }
@@ -363,7 +402,7 @@ TEST(CpuDecode, NearTiesAsFarApartAsTheBoundAllowsFollowTheFusedOrder) {
   // backward recomputes the selection in the fused order: dV (V = I, dO = 1) must be non-zero at
   // exactly the keys the forward kept, which must be the contest's.
   std::mt19937_64 rng(test_seed() + 119);
-  const std::int64_t Lk = 96, d = 128, H = 4, Hkv = 1;
+  const std::int64_t Lk = 96, d = 128, H = 4;
   for (cpu_isa isa : runnable_cpu_isas()) {
     if (isa == cpu_isa::generic) continue;  // the scalar twin has no decode kernel
     for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
@@ -373,45 +412,17 @@ TEST(CpuDecode, NearTiesAsFarApartAsTheBoundAllowsFollowTheFusedOrder) {
             v(static_cast<std::size_t>(Lk * d), 0.0f);
         for (std::int64_t h = 0; h < H; ++h) std::copy(contest.q_row.begin(), contest.q_row.end(), q.begin() + h * d);
         for (std::int64_t j = 0; j < Lk; ++j) v[static_cast<std::size_t>(j * d + j)] = 1.0f;  // V = I: O of a head is its P
-        std::vector<float> o(q.size(), -1.0f), lse(static_cast<std::size_t>(H), -1.0f), dq(q.size(), -1.0f),
-            dk(k.size(), -1.0f), dv(v.size(), -1.0f), dout(q.size(), 1.0f);
-        const auto to_bf16 = [](const std::vector<float>& x) {
-          std::vector<bfloat16> y(x.size());
-          for (std::size_t i = 0; i < x.size(); ++i) {
-            y[i].bits = float_to_bf16(x[i]);
-            EXPECT_EQ(bf16_to_float(y[i].bits), x[i]) << "every value of the contest is a bf16";
-          }
-          return y;
-        };
-        std::vector<bfloat16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), doutb = to_bf16(dout);
-        const bool f32 = type == dtype::f32;
-        forward_args f;
-        f.q = f32 ? make_view(q.data(), {1, 1, H, d}) : make_view(qb.data(), {1, 1, H, d});
-        f.k = f32 ? make_view(k.data(), {1, Lk, Hkv, d}) : make_view(kb.data(), {1, Lk, Hkv, d});
-        f.v = f32 ? make_view(v.data(), {1, Lk, Hkv, d}) : make_view(vb.data(), {1, Lk, Hkv, d});
-        f.out = make_view(o.data(), {1, 1, H, d});
-        f.lse = make_view(lse.data(), {1, H, 1});
-        attention_config cfg;
-        cfg.pattern = pat;
-        cfg.backend = backend::cpu;
-        cfg.cpu_isa = isa;
         const std::string where =
             pat.str() + " " + dtype_name(type) + " " + cpu_isa_name(isa) + " seed=" + std::to_string(test_seed());
-        ASSERT_EQ(select_kernel(f, cfg).name.rfind("cpu.decode_forward.", 0), 0u) << where;
-        attention_forward(f, cfg);
-        backward_args b;
-        b.q = f.q, b.k = f.k, b.v = f.v, b.out = f.out, b.lse = f.lse;
-        b.dout = f32 ? make_view(dout.data(), {1, 1, H, d}) : make_view(doutb.data(), {1, 1, H, d});
-        b.dq = make_view(dq.data(), {1, 1, H, d});
-        b.dk = make_view(dk.data(), {1, Lk, Hkv, d});
-        b.dv = make_view(dv.data(), {1, Lk, Hkv, d});
-        attention_backward(b, cfg);
+        const kept_keys got = type == dtype::f32
+                                  ? decode_and_backward_keep(q, k, v, H, Lk, d, pat, isa, where)
+                                  : decode_and_backward_keep(exact_bf16(q), exact_bf16(k), exact_bf16(v), H, Lk, d, pat, isa, where);
         for (std::int64_t j = 0; j < Lk; ++j) {
           const bool want = contest.kept[static_cast<std::size_t>(j)];
           for (std::int64_t h = 0; h < H; ++h) {
-            EXPECT_EQ(o[static_cast<std::size_t>(h * d + j)] > 0.0f, want) << where << " head " << h << " key " << j;
+            EXPECT_EQ(got.forward[static_cast<std::size_t>(h)][static_cast<std::size_t>(j)], want) << where << " head " << h << " key " << j;
           }
-          EXPECT_EQ(dv[static_cast<std::size_t>(j * d + j)] != 0.0f, want) << where << " key " << j << " (backward)";
+          EXPECT_EQ(got.backward[static_cast<std::size_t>(j)], want) << where << " key " << j << " (backward)";
         }
       }
     }

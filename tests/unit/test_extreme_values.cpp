@@ -409,6 +409,18 @@ class ExtremeBackward : public ::testing::TestWithParam<param> {
   }
 };
 
+/// A CPU call of kernel @p kn's ISA in storage type @p t, O (or the gradients) in fp32 so that the
+/// values and not the output rounding are tested, the outputs poisoned with @p poison first.
+run_options cpu_options(const kernel& kn, dtype t, double poison) {
+  run_options opt;
+  opt.type = t;
+  opt.out_type = dtype::f32;
+  opt.backend = backend::cpu;
+  opt.isa = kn.isa;
+  opt.poison = poison;
+  return opt;
+}
+
 /// Case @p c on kernel @p kn for every pattern and storage type, each call twice (NaN and finite
 /// poison), against the reference of the inputs rounded to that type.
 void expect_case_matches(const kernel& kn, extreme_case c) {
@@ -420,13 +432,8 @@ void expect_case_matches(const kernel& kn, extreme_case c) {
       if (!rounded_to(c.pr, t, pr)) continue;
       const auto want = run_forward(pr);
       for (double poison : {kNaN, kFinitePoison}) {
-        run_options opt;
-        opt.type = t;
-        opt.out_type = dtype::f32;  // O unrounded: the values, not the output rounding, are tested
-        opt.backend = backend::cpu;
-        opt.isa = kn.isa;
+        run_options opt = cpu_options(kn, t, poison);
         opt.algorithm = kn.algorithm;
-        opt.poison = poison;
         const auto got = run_forward(pr, opt);
         expect_forward_matches(c, pr, got, want,
                                kn.algorithm == cpu_algorithm::fused && forward_rounds_p_to_bf16(kn.isa, t),
@@ -505,13 +512,8 @@ TEST_P(ExtremeDecode, SlicesMatchReference) {
           if (!rounded_to(wide == 1 ? widen_head_dim(c.pr, 32) : c.pr, t, pr)) continue;
           const auto want = run_forward(pr);
           for (double poison : {kNaN, kFinitePoison}) {
-            run_options opt;
+            run_options opt = cpu_options(kn, t, poison);
             opt.bhld = wide == 1;
-            opt.type = t;
-            opt.out_type = dtype::f32;
-            opt.backend = backend::cpu;
-            opt.isa = kn.isa;
-            opt.poison = poison;
             const auto got = run_forward(pr, opt);
             // The decode forward keeps P in fp32 on every target (avx3_bf16 takes bf16 dot products
             // for Q K^T only; the AMX tiles' two bf16 parts keep each weight to 2^-18, inside the bound).
@@ -572,13 +574,7 @@ TEST_P(ExtremeBackward, MatchesReference) {
       if (!rounded_to(c.pr, t, pr)) continue;
       const auto want = run_backward(pr);
       for (double poison : {kNaN, kFinitePoison}) {
-        run_options opt;
-        opt.type = t;
-        opt.out_type = dtype::f32;
-        opt.backend = backend::cpu;
-        opt.isa = kn.isa;
-        opt.poison = poison;
-        const auto got = run_backward(pr, opt);
+        const auto got = run_backward(pr, cpu_options(kn, t, poison));
         expect_backward_matches(pr, got, want, pr.describe() + " " + dtype_name(t) + " poison " + std::to_string(poison));
         ++ran;
       }

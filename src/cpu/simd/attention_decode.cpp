@@ -481,18 +481,19 @@ class decode_pass : public kernel<T> {
       float* q = ws.q.ptr + static_cast<std::int64_t>(r) * dp_;
       this->load_row(p_.q, p_.q_stride, b, r < rows_ ? row_of(r) : 0, r < rows_ ? head_of(hk, r) : 0, r < rows_, q);
       q_risky = q_risky || !this->row_is_tame(q);
-      // The largest |q| of the row (zeros pad it to dp), for settle_near_ties (a NaN row is risky:
-      // never used). By vectors: a scalar chain of maxima was a tenth of a short decode step.
+      // The largest |q| of the row (zeros pad it to dp) and sum_c |q_c|, for settle_near_ties'
+      // bound (a NaN row is risky: never used), in one pass by vectors: scalar chains of maxima
+      // and of additions were a tenth and a few percent of a short decode step. The sum is of
+      // non-negative fp32 terms, within d 2^-24 of the exact sum, so enlarged by twice that (and
+      // the final rounding) it stays at least the exact sum.
       const DF d;
-      VF top = hn::Zero(d);
-      for (int c = 0; c < dp_; c += lanes_) top = hn::Max(top, hn::Abs(hn::Load(d, q + c)));
+      VF top = hn::Zero(d), l1 = hn::Zero(d);
+      for (int c = 0; c < dp_; c += lanes_) {
+        const VF a = hn::Abs(hn::Load(d, q + c));
+        top = hn::Max(top, a);
+        l1 = hn::Add(l1, a);
+      }
       ws.q_max.ptr[r] = hn::GetLane(hn::MaxOfLanes(d, top));
-      // sum_c |q_c|, for settle_near_ties' bound, by vectors (a scalar chain of d additions per
-      // row was a few percent of a short grouped step): fp32 sums of non-negative terms, each
-      // within d 2^-24 of the exact sum, so enlarged by twice that (and the final rounding) it
-      // stays at least the exact sum.
-      VF l1 = hn::Zero(d);
-      for (int c = 0; c < dp_; c += lanes_) l1 = hn::Add(l1, hn::Abs(hn::Load(d, q + c)));
       const double sum = static_cast<double>(hn::GetLane(hn::SumOfLanes(d, l1)));
       ws.q_l1.ptr[r] = static_cast<float>(sum * (1.0 + static_cast<double>(dp_ + lanes_) * 0x1p-22));
       if (dot_) {
@@ -1252,15 +1253,14 @@ class decode_pass : public kernel<T> {
     }
     // On the AMX tiles (amx_), the phase's keys in one call: its blocks of 32 keys start at
     // multiples of 32 of the keys read, as this loop's do, so the bits do not depend on the phases.
-    const bool on_tiles = amx_;
 #if DFSS_SIMD_AMX
-    if (on_tiles && u_lo < u_hi) {
+    if (amx_ && u_lo < u_hi) {
       amx::decode_pv(ws.acc.ptr, rows_, dp_, d_, weights + (whole_tile ? u_lo : 0), wstride,
                      whole_tile ? nullptr : ukeys + u_lo, u_hi - u_lo,
                      reinterpret_cast<const std::uint16_t*>(v) + (whole_tile ? u_lo * step : 0), step);
     }
 #endif
-    for (int k0 = on_tiles ? u_hi : u_lo; k0 < u_hi; k0 += kKeyMajorBlock) {
+    for (int k0 = amx_ ? u_hi : u_lo; k0 < u_hi; k0 += kKeyMajorBlock) {
       const int n = std::min(kKeyMajorBlock, nu - k0);
       if (streamed) {
         for (int r0 = 0; r0 < rows_;) {

@@ -604,25 +604,29 @@ TEST(CpuDecode, DirectAndPanelTilesInOneTask) {
   // in one key at an even column (its rows are NaN), where the NaN above is at an odd one: a bf16
   // cache read in the pair layout (even columns and odd ones apart) must find both. Against the fp64 reference, with
   // 1 and 3 threads bitwise alike, for d = 64 (a multiple of every target's vector: direct tiles)
-  // and each pattern.
+  // and each pattern; with grouped heads and drafts (8 rows per kv head), and with one row per kv
+  // head (MHA, Lq = 1: on AVX-512 a Q K^T block of its own, Q held in registers).
   std::mt19937_64 rng(test_seed() + 105);
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{4, 4}}) {
-    shape s{2, 2, 3001, 8, 2, 64, true, false, {3001, 1999}};
-    problem pr = make_problem(s, pat, rng, /*integers=*/true);
-    const auto kv_at = [&pr](std::int64_t b, std::int64_t j, std::int64_t hk, std::int64_t c) {
-      return static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + hk) * pr.d + c);
-    };
-    for (std::int64_t c = 0; c < pr.d; ++c) {
-      pr.k[kv_at(0, 1500, 0, c)] *= 0x1p60;
-      if (c == 3) pr.k[kv_at(0, 3000, 0, c)] = nan;  // visible to the last row only (causal)
-      if (c == 6) pr.k[kv_at(0, 2200, 1, c)] = nan;
-      for (std::int64_t j = 1999; j < pr.Lk; ++j) {
-        for (std::int64_t hk = 0; hk < pr.Hkv; ++hk) pr.k[kv_at(1, j, hk, c)] = pr.v[kv_at(1, j, hk, c)] = nan;
+  const shape shapes[] = {shape{2, 2, 3001, 8, 2, 64, true, false, {3001, 1999}},
+                         shape{2, 1, 3001, 2, 2, 64, true, false, {3001, 1999}}};
+  for (const shape& s : shapes) {
+    for (pattern pat : {pattern{1, 2}, pattern{2, 4}, pattern{4, 4}}) {
+      problem pr = make_problem(s, pat, rng, /*integers=*/true);
+      const auto kv_at = [&pr](std::int64_t b, std::int64_t j, std::int64_t hk, std::int64_t c) {
+        return static_cast<std::size_t>(((b * pr.Lk + j) * pr.Hkv + hk) * pr.d + c);
+      };
+      for (std::int64_t c = 0; c < pr.d; ++c) {
+        pr.k[kv_at(0, 1500, 0, c)] *= 0x1p60;
+        if (c == 3) pr.k[kv_at(0, 3000, 0, c)] = nan;  // visible to the last row only (causal)
+        if (c == 6) pr.k[kv_at(0, 2200, 1, c)] = nan;
+        for (std::int64_t j = 1999; j < pr.Lk; ++j) {
+          for (std::int64_t hk = 0; hk < pr.Hkv; ++hk) pr.k[kv_at(1, j, hk, c)] = pr.v[kv_at(1, j, hk, c)] = nan;
+        }
       }
+      // The LSE of the NaN rows is NaN, and the others' are checked through O.
+      expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/false);
     }
-    // The LSE of the NaN rows is NaN, and the others' are checked through O.
-    expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/false);
   }
 }
 

@@ -1,28 +1,30 @@
-// memory_streams: how fast a thread reads memory when it computes between its loads, reading one
-// sequential stream or several interleaved ones. A stand-alone measurement (not part of the build):
-// docs/benchmarks.md, "Sapphire Rapids: a decode that computes reads memory faster from several
-// streams".
+// dfss_memory_streams: how fast threads read memory when they compute between their loads, reading
+// one sequential stream or several interleaved ones (docs/benchmarks.md, "Sapphire Rapids: where
+// the causal 1:2 prefill's time goes, and several read streams"). Not a test: no dfss code runs.
 //
-//   g++ -O3 -march=native -fopenmp -o /tmp/memory_streams tools/bench/memory_streams.cpp
-//   /tmp/memory_streams [threads=2] [MiB per thread=256]
+//   build/bench/dfss_memory_streams [threads=2] [MiB per thread=256]
 //
-// Each thread reads its own buffer once, every 64-byte line by one vector load followed by W more
-// FMAs on the loaded vector (W = 0: a plain read; more W: more arithmetic per byte, as a grouped
+// Each thread reads its own buffer once, every 64-byte line by one 64-byte vector load followed by W
+// more multiply-adds on it (GCC vector extensions, so that it builds for any target: one 512-bit
+// FMA per line on AVX-512, two 256-bit ones on AVX2) (W = 0: a plain read; more W: more arithmetic per byte, as a grouped
 // decode step does more per key than a one-row step). The buffer is cut into S equal parts read in
 // turn, `visit` bytes of one part at a time (S = 1: one sequential stream). Every timed pass
 // follows a 512 MiB write elsewhere, so the buffer comes from memory; medians of 3 passes. "in L2"
 // is the same loop over 256 KiB per thread, repeated: the arithmetic's own rate.
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+/// One cache line of floats as a vector.
+typedef float line_vec __attribute__((vector_size(64), aligned(64)));  // NOLINT(modernize-use-using)
 
 volatile float g_sink[256];
 
@@ -34,22 +36,23 @@ double pass(const float* buf, std::size_t floats_per_thread, int streams, int vi
     const float* base = buf + static_cast<std::size_t>(id) * floats_per_thread;
     const std::size_t part = floats_per_thread / static_cast<std::size_t>(streams);
     const std::size_t visit = static_cast<std::size_t>(visit_bytes) / sizeof(float);
-    __m512 acc[8];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    const __m512 w = _mm512_set1_ps(1e-3f);
+    line_vec acc[8] = {};
+    const line_vec w = line_vec{} + 1e-3f;
     for (std::size_t off = 0; off + visit <= part; off += visit) {
       for (int s = 0; s < streams; ++s) {
         const float* p = base + static_cast<std::size_t>(s) * part + off;
         for (std::size_t l = 0; l < visit; l += 16) {
-          const __m512 x = _mm512_load_ps(p + l);
-          acc[(l / 16) % 8] = _mm512_fmadd_ps(x, w, acc[(l / 16) % 8]);
-          for (int k = 0; k < work; ++k) acc[(k + 1) % 8] = _mm512_fmadd_ps(x, w, acc[(k + 1) % 8]);
+          const line_vec x = *reinterpret_cast<const line_vec*>(p + l);
+          acc[(l / 16) % 8] = x * w + acc[(l / 16) % 8];
+          for (int k = 0; k < work; ++k) acc[(k + 1) % 8] = x * w + acc[(k + 1) % 8];
         }
       }
     }
-    __m512 t = acc[0];
-    for (int i = 1; i < 8; ++i) t = _mm512_add_ps(t, acc[i]);
-    g_sink[id] = _mm512_reduce_add_ps(t);
+    line_vec t = acc[0];
+    for (int i = 1; i < 8; ++i) t += acc[i];
+    float sum = 0.0f;
+    for (int i = 0; i < 16; ++i) sum += t[i];
+    g_sink[id % 256] = sum;
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

@@ -560,6 +560,74 @@ TEST(Cpu, NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder) {
   }
 }
 
+TEST(Cpu, BackwardWithoutTheOutputKeepsTheFusedOrderOnNearTies) {
+  // The backward without O and LSE recomputes them with its ISA's forward (run_cpu_backward, p.fp32_weights),
+  // and its D = rowsum(dO O) must come from the keys its own fp32 selection keeps. On a CPU with
+  // AMX that forward scores bf16 inputs on the tiles without running P V there; until 2026-12-06 it
+  // then compacted the tiles' scores without settling their near ties, and dQ missed by up to 185
+  // here. The contest of NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder (every query row
+  // the same, V = I); the expected dQ in fp64 from the contest's kept keys (the fused order):
+  // P over the kept keys, O = P, dP = dO, D = dO . P, dS = P (dP - D), dQ = scale sum_j dS_j k_j,
+  // each column within 2^-12 of sum_j |dS_j k_jc| scale (fp32 scores of 128 terms and fp32 weights
+  // stay within 2^-16 of it here; the missed settling put every element of dQ outside).
+  std::mt19937_64 rng(test_seed() + 24);
+  for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
+    problem pr;
+    pr.B = 1, pr.Lq = 40, pr.Lk = 96, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
+    const rounding_contest contest = make_rounding_contest(pat.m, pr.Lk, pr.d, rng, 1.0);
+    pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
+    for (std::int64_t row = 0; row < pr.Lq * pr.H; ++row) {
+      std::copy(contest.q_row.begin(), contest.q_row.end(), pr.q.begin() + row * pr.d);
+    }
+    pr.k = contest.k;
+    pr.v.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
+    for (std::int64_t j = 0; j < pr.Lk; ++j) pr.v[static_cast<std::size_t>(j * pr.d + j)] = 1.0;
+    std::uniform_int_distribution<int> eighths(-8, 8);
+    pr.dout.resize(static_cast<std::size_t>(pr.q_numel()));
+    for (double& x : pr.dout) x = eighths(rng) / 8.0;
+    const double scale = pr.resolved_scale();
+    // Per query row (b = 0, row i, head h at q row index (i H + h)): the fp64 dQ and its tolerance.
+    std::vector<double> want(pr.dout.size()), tol(pr.dout.size());
+    std::vector<double> score(static_cast<std::size_t>(pr.Lk));
+    double top = -kInf;
+    for (std::int64_t j = 0; j < pr.Lk; ++j) {
+      double sum = 0;
+      for (std::int64_t c = 0; c < pr.d; ++c) sum += contest.q_row[static_cast<std::size_t>(c)] * pr.k[static_cast<std::size_t>(j * pr.d + c)];
+      score[static_cast<std::size_t>(j)] = scale * sum;
+      if (contest.kept[static_cast<std::size_t>(j)]) top = std::max(top, scale * sum);
+    }
+    std::vector<double> prob(static_cast<std::size_t>(pr.Lk), 0.0);
+    double total = 0;
+    for (std::int64_t j = 0; j < pr.Lk; ++j) {
+      if (contest.kept[static_cast<std::size_t>(j)]) total += prob[static_cast<std::size_t>(j)] = std::exp(score[static_cast<std::size_t>(j)] - top);
+    }
+    for (double& x : prob) x /= total;
+    for (std::int64_t row = 0; row < pr.Lq * pr.H; ++row) {
+      const double* dout = pr.dout.data() + row * pr.d;
+      double D = 0;
+      for (std::int64_t j = 0; j < pr.Lk; ++j) D += dout[j] * prob[static_cast<std::size_t>(j)];
+      for (std::int64_t j = 0; j < pr.Lk; ++j) {
+        const double ds = prob[static_cast<std::size_t>(j)] * (dout[j] - D);
+        for (std::int64_t c = 0; c < pr.d; ++c) {
+          const double kc = pr.k[static_cast<std::size_t>(j * pr.d + c)];
+          want[static_cast<std::size_t>(row * pr.d + c)] += scale * ds * kc;
+          tol[static_cast<std::size_t>(row * pr.d + c)] += 0x1p-12 * scale * std::abs(ds * kc);
+        }
+      }
+    }
+    for (cpu_isa isa : runnable_isas()) {
+      for (dtype type : {dtype::f32, dtype::bf16}) {
+        run_options opt = bf16_options(isa);
+        opt.type = type;
+        const auto got = run_backward(pr, opt);  // no O or LSE given: the backward's own forward
+        int wrong = 0;
+        for (std::size_t e = 0; e < want.size(); ++e) wrong += !(std::abs(got.dq[e] - want[e]) <= tol[e] + 1e-12);
+        EXPECT_EQ(wrong, 0) << pr.describe() << " " << dtype_name(type) << " isa=" << cpu_isa_name(isa);
+      }
+    }
+  }
+}
+
 TEST(Cpu, AmxWithAMaskGivenAsABias) {
   // A bias of 0 and -inf only keeps the AMX tiles (uses_amx, bias_masks_): -inf from each
   // sequence's length on gives the bits that those key lengths give without a bias (AMX both; the

@@ -366,6 +366,10 @@ class forward_pass : public kernel<T> {
     } else if (in_place) {
       tile_max = this->select_in_place(s, static_cast<std::int32_t>(j0), whole);  // dense: the maximum
     } else {
+      // Scored on the tiles but P V not (p.fp32_weights: the backward's O): the near ties settled in
+      // place first, so that the compaction keeps the fp32 micro-kernel's keys as select_amx does.
+      // Without it the backward's O came from other keys than its own selection on near ties.
+      if (amx_ && sparse_ && !ws.risky) select_amx<false>(ws, i, j0, s, whole);
       kept = this->compact(s, static_cast<std::int32_t>(j0), cv, ci, tile_max, /*nan_free=*/!nan_or_inf, whole,
                            this->visible_width(lim, j0));
     }
@@ -665,7 +669,8 @@ class forward_pass : public kernel<T> {
   }
 
   /// The selection of a row of a tile scored on AMX tiles (@p r its row in the task, @p s its masked
-  /// scores), made the fp32 micro-kernel's (so the selection of every other CPU kernel, and of the
+  /// scores; without @p Prune only the settling below, the scores left for compact), made the fp32
+  /// micro-kernel's (so the selection of every other CPU kernel, and of the
   /// fused backward, which recomputes it in fp32), in place as select_in_place leaves it; returns
   /// the tile's largest score. With A = sum_c |q_c k_c| <= max|q| sum_c |k_c|, u = 2^-24 and
   /// gamma(x) = d x / (1 - d x): an AMX score is within gamma(2u) A + z of the exact dot product,
@@ -685,14 +690,16 @@ class forward_pass : public kernel<T> {
   /// per-key bound does. Checked by Cpu.AmxKeepsTheFp32Selection (which fails with the settling
   /// removed), Cpu.NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder (which fails with the bound
   /// divided by 6) and by the CPU tests, which run with AMX wherever the CPU has it.
+  template <bool Prune = true>
   float select_amx(workspace& ws, int r, std::int64_t j0, float* s, const mask::whole_groups& whole) const {
 #if DFSS_SIMD_AMX
     const auto j = static_cast<std::int32_t>(j0);
-    if (!sparse_) return this->select_in_place(s, j, whole);
+    if (!sparse_) return Prune ? this->select_in_place(s, j, whole) : 0.0f;
     const float* k1 = ws.k_amx_l1.ptr + j0;
     const tie_bound tb = near_tie_bound(ws, r);
     if (this->pairs_in_vectors(j, whole)) {
-      return p_.pattern_m == 2 ? select_amx_vectors<2>(ws, r, j0, s, tb) : select_amx_vectors<4>(ws, r, j0, s, tb);
+      return p_.pattern_m == 2 ? select_amx_vectors<2, Prune>(ws, r, j0, s, tb)
+                               : select_amx_vectors<4, Prune>(ws, r, j0, s, tb);
     }
     // Other N:M, and tiles with groups kept whole: every pair of a group compared (-inf against
     // anything gives inf or NaN: never near), then select_in_place.
@@ -705,10 +712,10 @@ class forward_pass : public kernel<T> {
       }
       if (near) settle_group(ws, r, s, j0, g, g + m);
     }
-    return this->select_in_place(s, j, whole);
+    return Prune ? this->select_in_place(s, j, whole) : 0.0f;
 #else
     (void)ws, (void)r;
-    return this->select_in_place(s, static_cast<std::int32_t>(j0), whole);
+    return Prune ? this->select_in_place(s, static_cast<std::int32_t>(j0), whole) : 0.0f;
 #endif
   }
 
@@ -724,7 +731,7 @@ class forward_pass : public kernel<T> {
   /// key by key), then pruned_lanes, 1:2 took 49.7 and 2:4 92 ms (the pass alone 15% of a 2:4
   /// call's samples); as here 47.2 and 63.4 ms; dense 54.8 (the machine's noise: minimums 47.5,
   /// 62.0 / 45.0, 52.6 / 41.5 ms).
-  template <int M>
+  template <int M, bool Prune>
   float select_amx_vectors(workspace& ws, int r, std::int64_t j0, float* s, tie_bound tb) const {
 #if DFSS_SIMD_AMX
     const DF d;
@@ -761,7 +768,7 @@ class forward_pass : public kernel<T> {
         pruned = base::template pruned_lanes<M>(x, base::partner_first(1), base::partner_first(2));
       }
       vmax = hn::Max(vmax, x);
-      hn::Store(hn::IfThenElse(pruned, neg_inf, x), d, s + t);
+      hn::Store(Prune ? hn::IfThenElse(pruned, neg_inf, x) : x, d, s + t);
     }
     return hn::GetLane(hn::MaxOfLanes(d, vmax));
 #else

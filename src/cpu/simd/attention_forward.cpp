@@ -581,6 +581,8 @@ class forward_pass : public kernel<T> {
     ws.k_amx.resize(panels);
     ws.q_amx.resize(rows);
     ws.q_amx_max.resize(kRowsPerTask);
+    ws.q_amx_c1q.resize(kRowsPerTask);
+    ws.q_amx_c0.resize(kRowsPerTask);
     if (amx_pv_) {
       ws.p_amx.resize(static_cast<std::size_t>(kRowsPerTask * w_ / 2));
       ws.vpair.resize(static_cast<std::size_t>((this->lk_pad_ / 2 + 1) * dp_));
@@ -650,6 +652,14 @@ class forward_pass : public kernel<T> {
         top = std::max(top, std::max(std::abs(q[c]), std::abs(q[c + 1])));
       }
       ws.q_amx_max.ptr[i] = top;
+      if (sparse_) {
+        // Once per row and task (after the head's pack_keys_amx, which gives max|k|), not per row
+        // and tile in select_amx: causal bf16, L = 2048 and 4096, d = 64 and 128, 2 threads, 7
+        // interleaved rounds (tools/bench/compare_builds.sh): 1:2 and 2:4 0.95-0.99x the time.
+        const tie_bound tb = near_tie_bound(ws, i);
+        ws.q_amx_c1q.ptr[i] = tb.c1q;
+        ws.q_amx_c0.ptr[i] = tb.c0;
+      }
     }
   }
 
@@ -696,7 +706,7 @@ class forward_pass : public kernel<T> {
     const auto j = static_cast<std::int32_t>(j0);
     if (!sparse_) return Prune ? this->select_in_place(s, j, whole) : 0.0f;
     const float* k1 = ws.k_amx_l1.ptr + j0;
-    const tie_bound tb = near_tie_bound(ws, r);
+    const tie_bound tb{ws.q_amx_c1q.ptr[r], ws.q_amx_c0.ptr[r]};  // near_tie_bound (pack_query_amx)
     if (this->pairs_in_vectors(j, whole)) {
       return p_.pattern_m == 2 ? select_amx_vectors<2, Prune>(ws, r, j0, s, tb)
                                : select_amx_vectors<4, Prune>(ws, r, j0, s, tb);

@@ -520,6 +520,24 @@ TEST(Cpu, AmxKeepsTheFp32Selection) {
   }
 }
 
+/// The fused forward's near-tie contest (tests/common/near_ties.hpp) as a problem: B = 1, Lq = 40
+/// (a task of 32 rows and one of 8, more than the decode kernel's rows), Lk = 96, H = 2, Hkv = 1,
+/// d = 128, every query row the contest's, V = I (d >= Lk: O's row is P). q_small = 1: sum|k| near
+/// B, select_amx's per-key bound at its tightest. @p contest gets the contest.
+problem contest_problem(pattern pat, std::mt19937_64& rng, rounding_contest& contest) {
+  problem pr;
+  pr.B = 1, pr.Lq = 40, pr.Lk = 96, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
+  contest = make_rounding_contest(pat.m, pr.Lk, pr.d, rng, 1.0);
+  pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
+  for (std::int64_t row = 0; row < pr.Lq * pr.H; ++row) {
+    std::copy(contest.q_row.begin(), contest.q_row.end(), pr.q.begin() + row * pr.d);
+  }
+  pr.k = contest.k;
+  pr.v.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
+  for (std::int64_t j = 0; j < pr.Lk; ++j) pr.v[static_cast<std::size_t>(j * pr.d + j)] = 1.0;
+  return pr;
+}
+
 TEST(Cpu, NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder) {
   // The fused forward on every ISA, fp32 and bf16 inputs, keeps the keys that its fp32 micro-kernel's
   // order of additions ranks first, also where that order and the exact one disagree by a fifth of
@@ -527,21 +545,11 @@ TEST(Cpu, NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder) {
   // score by about half a ulp per column, up for one kind of key and down for the other, while the
   // AMX tiles' sums of pairs stay near exact). AmxKeepsTheFp32Selection cannot tell a bound many
   // times too small from the right one; on a CPU with AMX this test fails with select_amx's per-key
-  // bound divided by 6 (by 5 it still settles the widest pairs). V = I (d >= Lk): O's row is P.
-  // Lq = 40: a task of 32 rows and one of 8, more than the decode kernel's rows.
+  // bound divided by 6 (by 5 it still settles the widest pairs). contest_problem: V = I.
   std::mt19937_64 rng(test_seed() + 23);
   for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
-    problem pr;
-    pr.B = 1, pr.Lq = 40, pr.Lk = 96, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
-    // q_small = 1: sum|k| near B, select_amx's per-key bound at its tightest.
-    const rounding_contest contest = make_rounding_contest(pat.m, pr.Lk, pr.d, rng, 1.0);
-    pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
-    for (std::int64_t row = 0; row < pr.Lq * pr.H; ++row) {
-      std::copy(contest.q_row.begin(), contest.q_row.end(), pr.q.begin() + row * pr.d);
-    }
-    pr.k = contest.k;
-    pr.v.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
-    for (std::int64_t j = 0; j < pr.Lk; ++j) pr.v[static_cast<std::size_t>(j * pr.d + j)] = 1.0;
+    rounding_contest contest;
+    const problem pr = contest_problem(pat, rng, contest);
     ASSERT_TRUE(same_bits(rounded_to_bf16(pr).k, pr.k)) << "every value of the contest is a bf16";
     for (cpu_isa isa : runnable_isas()) {
       for (dtype type : {dtype::f32, dtype::bf16}) {
@@ -565,23 +573,15 @@ TEST(Cpu, BackwardWithoutTheOutputKeepsTheFusedOrderOnNearTies) {
   // and its D = rowsum(dO O) must come from the keys its own fp32 selection keeps. On a CPU with
   // AMX that forward scores bf16 inputs on the tiles without running P V there; until 2026-12-06 it
   // then compacted the tiles' scores without settling their near ties, and dQ missed by up to 185
-  // here. The contest of NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder (every query row
-  // the same, V = I); the expected dQ in fp64 from the contest's kept keys (the fused order):
+  // here. The contest of NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder (contest_problem:
+  // every query row the same, V = I); the expected dQ in fp64 from the contest's kept keys (the fused order):
   // P over the kept keys, O = P, dP = dO, D = dO . P, dS = P (dP - D), dQ = scale sum_j dS_j k_j,
   // each column within 2^-12 of sum_j |dS_j k_jc| scale (fp32 scores of 128 terms and fp32 weights
   // stay within 2^-16 of it here; the missed settling put every element of dQ outside).
   std::mt19937_64 rng(test_seed() + 24);
   for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
-    problem pr;
-    pr.B = 1, pr.Lq = 40, pr.Lk = 96, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
-    const rounding_contest contest = make_rounding_contest(pat.m, pr.Lk, pr.d, rng, 1.0);
-    pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
-    for (std::int64_t row = 0; row < pr.Lq * pr.H; ++row) {
-      std::copy(contest.q_row.begin(), contest.q_row.end(), pr.q.begin() + row * pr.d);
-    }
-    pr.k = contest.k;
-    pr.v.assign(static_cast<std::size_t>(pr.kv_numel()), 0.0);
-    for (std::int64_t j = 0; j < pr.Lk; ++j) pr.v[static_cast<std::size_t>(j * pr.d + j)] = 1.0;
+    rounding_contest contest;
+    problem pr = contest_problem(pat, rng, contest);
     std::uniform_int_distribution<int> eighths(-8, 8);
     pr.dout.resize(static_cast<std::size_t>(pr.q_numel()));
     for (double& x : pr.dout) x = eighths(rng) / 8.0;

@@ -5,9 +5,9 @@
 //   build/bench/dfss_memory_streams [threads=2] [MiB per thread=256]
 //
 // Each thread reads its own buffer once, every 64-byte line by one 64-byte vector load followed by W
-// more multiply-adds on it (GCC vector extensions, so that it builds for any target: one 512-bit
-// FMA per line on AVX-512, two 256-bit ones on AVX2) (W = 0: a plain read; more W: more arithmetic per byte, as a grouped
-// decode step does more per key than a one-row step). The buffer is cut into S equal parts read in
+// more multiply-adds on it (W = 0: a plain read; more W: more arithmetic per byte, as a grouped
+// decode step does more per key than a one-row step). GCC vector extensions, so that it builds for
+// any target: one 512-bit FMA per line on AVX-512, two 256-bit ones on AVX2. The buffer is cut into S equal parts read in
 // turn, `visit` bytes of one part at a time (S = 1: one sequential stream). Every timed pass
 // follows a 512 MiB write elsewhere, so the buffer comes from memory; medians of 3 passes. "in L2"
 // is the same loop over 256 KiB per thread, repeated: the arithmetic's own rate.

@@ -580,7 +580,6 @@ class forward_pass : public kernel<T> {
     const auto rows = static_cast<std::size_t>(kRowsPerTask * dp_ / 2);
     ws.k_amx.resize(panels);
     ws.q_amx.resize(rows);
-    ws.q_amx_max.resize(kRowsPerTask);
     ws.q_amx_c1q.resize(kRowsPerTask);
     ws.q_amx_c0.resize(kRowsPerTask);
     if (amx_pv_) {
@@ -641,7 +640,8 @@ class forward_pass : public kernel<T> {
     }
   }
 
-  /// The task's query rows (fp32 in ws.q, bf16 values) as column pairs, and each row's largest |q|.
+  /// The task's query rows (fp32 in ws.q, bf16 values) as column pairs, and with a selecting pattern
+  /// each row's near-tie bound (near_tie_bound, from its largest |q|).
   void pack_query_amx(workspace& ws, int rows_mk) const {
     for (int i = 0; i < rows_mk; ++i) {
       const float* q = ws.q.ptr + static_cast<std::int64_t>(i) * dp_;
@@ -651,12 +651,11 @@ class forward_pass : public kernel<T> {
         out[c / 2] = (std::bit_cast<std::uint32_t>(q[c]) >> 16) | std::bit_cast<std::uint32_t>(q[c + 1]);
         top = std::max(top, std::max(std::abs(q[c]), std::abs(q[c + 1])));
       }
-      ws.q_amx_max.ptr[i] = top;
       if (sparse_) {
         // Once per row and task (after the head's pack_keys_amx, which gives max|k|), not per row
         // and tile in select_amx: causal bf16, L = 2048 and 4096, d = 64 and 128, 2 threads, 7
         // interleaved rounds (tools/bench/compare_builds.sh): 1:2 and 2:4 0.95-0.99x the time.
-        const tie_bound tb = near_tie_bound(ws, i);
+        const tie_bound tb = near_tie_bound(top, ws.k_amx_max);
         ws.q_amx_c1q.ptr[i] = tb.c1q;
         ws.q_amx_c0.ptr[i] = tb.c0;
       }
@@ -664,17 +663,18 @@ class forward_pass : public kernel<T> {
   }
 
   /// select_amx's bound of key j's score difference: c1q K1_j + c0 (c1q = c1 max|q|, c0 = z + d 2^-149
-  /// and their rounding), for row @p r of the task. c1 and the constant are enlarged by 2^-18,
+  /// and their rounding), for a row whose largest |q| is @p q_top against keys whose largest |k| is
+  /// @p k_top. c1 and the constant are enlarged by 2^-18,
   /// which covers the fp32 rounding of E and of the comparisons made with it.
   struct tie_bound {
     float c1q, c0;
   };
-  tie_bound near_tie_bound(const workspace& ws, int r) const {
+  tie_bound near_tie_bound(float q_top, float k_top) const {
     const double u = 0x1p-24, dd = static_cast<double>(d_), margin = 1.0 + 0x1p-18;
     const double gamma_a = dd * 2.0 * u / (1.0 - dd * 2.0 * u), gamma_f = dd * u / (1.0 - dd * u);
     const double c1 = (gamma_a + gamma_f) / (1.0 - gamma_f) * margin;
-    const double q_max = static_cast<double>(ws.q_amx_max.ptr[r]);
-    const double z = dd * 0x1p-126 * (q_max + static_cast<double>(ws.k_amx_max) + 1.0);
+    const double q_max = static_cast<double>(q_top);
+    const double z = dd * 0x1p-126 * (q_max + static_cast<double>(k_top) + 1.0);
     return {static_cast<float>(c1 * q_max), static_cast<float>((c1 * z + z + dd * 0x1p-149) * margin)};
   }
 

@@ -156,7 +156,7 @@ struct workspace {
   // pairs, the sum of |k_c| of each packed key, the largest |q| of each query row and |k| of the
   // packed keys (the forward's select_amx bound).
   aligned_buffer<std::uint32_t> k_amx, q_amx, p_amx;  ///< p_amx: a dense tile's weights as bf16 pairs
-  aligned_buffer<float> k_amx_l1, q_amx_max;
+  aligned_buffer<float> k_amx_l1;
   aligned_buffer<float> q_amx_c1q, q_amx_c0;  ///< each task row's near-tie bound (the forward's select_amx)
   float k_amx_max = 0.0f;
 };

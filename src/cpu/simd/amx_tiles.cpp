@@ -84,6 +84,15 @@ void weights_to_pairs(const float* w, int pairs, std::uint32_t* out) noexcept {
   }
 }
 
+void kept_weights_to_pairs(const float* w, const std::int32_t* shift, int pairs, std::uint32_t* out) noexcept {
+  // (The maskz forms: GCC 12 warns of the plain ones' undefined pass-through operand.)
+  for (int g = 0; g < pairs; g += 16) {
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(w + g));
+    const __m512i wide = _mm512_maskz_cvtepu16_epi32(0xffff, reinterpret_cast<__m256i>(b));
+    _mm512_storeu_si512(out + g, _mm512_maskz_sllv_epi32(0xffff, wide, _mm512_loadu_si512(shift + g)));
+  }
+}
+
 void pv_tile(const std::uint32_t* p, int rows, int pairs, const std::uint32_t* v, int dp, float* acc) noexcept {
   // Tiles (configure's): 0 and 2 the accumulators of the two row blocks, 4 and 5 their weights, 6
   // the values. Per block of 16 columns, each accumulator tile is loaded and stored once.

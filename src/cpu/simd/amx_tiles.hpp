@@ -50,6 +50,12 @@ void qk_tile(const std::uint32_t* q, int rows, int dp, const std::uint32_t* pane
 /// below bf16's normal range become 0, which pv_tile's tdpbf16ps reads them as anyway.
 void weights_to_pairs(const float* w, int pairs, std::uint32_t* out) noexcept;
 
+/// @p out[g] = the bf16 of @p w[g] shifted left by @p shift[g] (0: key 2g's half of the pair, 16:
+/// key 2g + 1's), the other half 0, for g < @p pairs (a multiple of 16): a 1:2 row's weights, one
+/// per pair, as weights_to_pairs makes them from the dense row with its pruned keys' zeros (the
+/// same rounding, the same bits).
+void kept_weights_to_pairs(const float* w, const std::int32_t* shift, int pairs, std::uint32_t* out) noexcept;
+
 /// acc[r][0, dp) += sum over key pairs g < @p pairs of p_r,2g v_2g + p_r,2g+1 v_2g+1 for @p rows
 /// accumulator rows (row stride dp floats): @p p holds [rows][pairs] bf16 weight pairs (key 2g in the
 /// low half), @p v [pairs][dp] value pairs (column c of keys 2g and 2g + 1 in one 32-bit word, 2g in

@@ -227,9 +227,9 @@ class forward_pass : public kernel<T> {
     for (std::int64_t j0 = k0; j0 < tile_end; j0 += w_) {
       scores(ws, rows_mk, j0, tile_end);
       // Rows whose P V for this tile is left to blocked_values.
-      std::uint32_t blocked = 0;
-      for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0, blocked);
-      if (blocked != 0) blocked_values(ws, blocked, j0);
+      std::uint32_t blocked = 0, paired_amx = 0;
+      for (int i = 0; i < rows; ++i) row_epilogue(ws, b, h, i0 + i, i, j0, blocked, paired_amx);
+      if (blocked != 0) blocked_values(ws, blocked, paired_amx, j0);
     }
     if (tiles) amx_release();
 
@@ -323,9 +323,10 @@ class forward_pass : public kernel<T> {
   /// of line, and the call per row and tile measured a few percent of the dense forward).
   /// A row whose P V is left to blocked_values (a dense or 1:2 tile it does not mask)
   /// gets its bit set in @p blocked: its dense weights left in place of its scores, or its signed
-  /// 1:2 weights (exp_kept) in its slot of ws.comp_val.
+  /// 1:2 weights (exp_kept) in its slot of ws.comp_val; and also in @p paired_amx where its weights
+  /// are in its row of ws.p_amx already (1:2 on the AMX tiles: select_amx_pairs).
   HWY_INLINE void row_epilogue(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
-                               std::uint32_t& blocked) const {
+                               std::uint32_t& blocked, std::uint32_t& paired_amx) const {
     const std::int64_t lim = this->key_limit(b, qi);
     if (j0 >= lim) return;  // the whole tile is masked for this row
     float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
@@ -361,7 +362,16 @@ class forward_pass : public kernel<T> {
     std::int32_t* ci = in_place ? nullptr : ws.comp_idx.ptr + slot;
     float tile_max = neg_inf;
     int kept = w_;
-    if (amx_tile) {
+    // 1:2 on the AMX tiles: one kept score per pair, compacted with the half of the pair it takes,
+    // so that only the kept keys' exponentials are computed (kept_weights_to_pairs then places each
+    // weight in its pair, the pruned half 0: the words weights_to_pairs makes of the dense row).
+    const bool amx_pairs = amx_tile && p_.pattern_m == 2 && this->pairs_in_vectors(static_cast<std::int32_t>(j0), whole);
+    if (amx_pairs) {
+      cv = ws.comp_val.ptr + static_cast<std::int64_t>(i) * this->comp_stride();
+      ci = ws.comp_idx.ptr + static_cast<std::int64_t>(i) * this->comp_stride();
+      kept = w_ / 2;
+      tile_max = select_amx_pairs(ws, i, j0, s, cv, ci);
+    } else if (amx_tile) {
       tile_max = select_amx(ws, i, j0, s, whole);
     } else if (in_place) {
       tile_max = this->select_in_place(s, static_cast<std::int32_t>(j0), whole);  // dense: the maximum
@@ -388,6 +398,16 @@ class forward_pass : public kernel<T> {
 
     // exp(scale (x - max)) of the kept scores; the second multiply only for a scale above
     // float max / log2(e).
+    if (amx_pairs) {
+#if DFSS_SIMD_AMX
+      sum += e2_ == 1.0f ? exp_kept<false>(cv, nullptr, kept, mx, false, exp_out::weights)
+                         : exp_kept<true>(cv, nullptr, kept, mx, false, exp_out::weights);
+      amx::kept_weights_to_pairs(cv, ci, kept, ws.p_amx.ptr + static_cast<std::int64_t>(i) * (w_ / 2));
+      blocked |= 1u << i;
+      paired_amx |= 1u << i;
+#endif
+      return;
+    }
     const exp_out out = in_place ? exp_out::weights : (paired ? exp_out::pair_signs : exp_out::offsets);
     // -inf slots whose offsets go to the zero row.
     const bool masked_slots = masked_tile && !in_place;
@@ -406,12 +426,14 @@ class forward_pass : public kernel<T> {
   /// kValueRows rows per block: a dense tile (weights in ws.s, in key order) or a 1:2 one (signed
   /// weights in the rows' slots of ws.comp_val, the odd keys' V rows negated in ws.vn). Each row's
   /// sums come out bitwise as from values().
-  void blocked_values(workspace& ws, std::uint32_t blocked, std::int64_t j0) const {
+  void blocked_values(workspace& ws, std::uint32_t blocked, std::uint32_t paired_amx, std::int64_t j0) const {
 #if DFSS_SIMD_BF16_DOT
     if (dot_) return blocked_values_bf16(ws, blocked, j0);
 #endif
 #if DFSS_SIMD_AMX
-    if (amx_pv_ && !ws.risky) return blocked_values_amx(ws, blocked, j0);
+    if (amx_pv_ && !ws.risky) return blocked_values_amx(ws, blocked, paired_amx, j0);
+#else
+    (void)paired_amx;
 #endif
 #if !HWY_HAVE_SCALABLE
     const float* v0 = ws.vp.ptr + j0 * dp_;
@@ -445,11 +467,12 @@ class forward_pass : public kernel<T> {
   /// AMX, every pattern: blocked_values on the tiles (amx::pv_tile), the weights rounded to bf16
   /// (amx::weights_to_pairs; the row sums keep the unrounded ones), value pairs from ws.vpair. The
   /// task's rows all go through the tiles: rows not in @p blocked (masked in this tile, or whose
-  /// P V was done row by row) get zero weights, which leave their sums unchanged. (The rounding in
+  /// P V was done row by row) get zero weights, which leave their sums unchanged; rows in
+  /// @p paired_amx have their pairs already (select_amx_pairs). (The rounding in
   /// Highway vector code, as bf16dot::pv_tile_rows does it, was 7% of a dense call's task samples;
   /// vcvtne2ps2bf16 rounds 32 weights in one instruction: causal L = 2048, d = 64, medians of 20
   /// interleaved calls 2.6-3.9% faster, 1 and 2 threads, dense and 1:2, the same output bits.)
-  void blocked_values_amx(workspace& ws, std::uint32_t blocked, std::int64_t j0) const {
+  void blocked_values_amx(workspace& ws, std::uint32_t blocked, std::uint32_t paired_amx, std::int64_t j0) const {
 #if DFSS_SIMD_AMX
     const int pairs = w_ / 2;
     int rows = 0;
@@ -459,13 +482,13 @@ class forward_pass : public kernel<T> {
       std::uint32_t* out = ws.p_amx.ptr + static_cast<std::int64_t>(i) * pairs;
       if ((blocked >> i & 1u) == 0) {
         std::fill(out, out + pairs, 0u);
-      } else {
+      } else if ((paired_amx >> i & 1u) == 0) {
         amx::weights_to_pairs(ws.s.ptr + static_cast<std::int64_t>(i) * w_, pairs, out);
       }
     }
     amx::pv_tile(ws.p_amx.ptr, rows, pairs, ws.vpair.ptr + (j0 / 2) * dp_, dp_, ws.acc.ptr);
 #else
-    (void)ws, (void)blocked, (void)j0;
+    (void)ws, (void)blocked, (void)paired_amx, (void)j0;
 #endif
   }
 
@@ -783,6 +806,55 @@ class forward_pass : public kernel<T> {
     return hn::GetLane(hn::MaxOfLanes(d, vmax));
 #else
     (void)ws, (void)r, (void)j0, (void)s, (void)tb;
+    return 0.0f;
+#endif
+  }
+
+  /// select_amx for a 1:2 tile without whole groups, compacted: for each pair of keys of row @p r's
+  /// scores @p s, its kept score in @p cv (pair order) and in @p shift 0 where the even key is kept,
+  /// 16 where the odd one is (its half of a bf16 pair); returns the tile's largest score. The same
+  /// kept keys as select_amx_vectors<2> (a pair both of whose keys are masked keeps -inf: a zero
+  /// weight either way). Against select_amx_vectors and the exponentials of the whole tile (causal
+  /// bf16, 5 interleaved rounds of tools/bench/compare_builds.sh): 0.93-0.97x the time at d = 64,
+  /// 1.00x at d = 128 (docs/design.md, "AMX tiles for the bf16 forward").
+  float select_amx_pairs(workspace& ws, int r, std::int64_t j0, const float* s, float* cv, std::int32_t* shift) const {
+#if DFSS_SIMD_AMX
+    const DF d;
+    const DI di;
+    const float* k1 = ws.k_amx_l1.ptr + j0;
+    const VF vc1 = hn::Set(d, ws.q_amx_c1q.ptr[r]), vc0 = hn::Set(d, ws.q_amx_c0.ptr[r]);
+    const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+    const VI half = hn::Set(di, 16), none = hn::Zero(di);
+    VF vmax = neg_inf;
+    // Per vector of keys from t: each even lane's kept score, and its shift.
+    const auto select = [&](int t, VF& kept, VI& sh) {
+      VF x = hn::Load(d, s + t);
+      const VF e = hn::MulAdd(vc1, hn::Load(d, k1 + t), vc0);
+      VF xs = hn::Shuffle2301(x);
+      // (-inf against anything gives a gap of inf or NaN: never near.)
+      const auto near = hn::Le(hn::Abs(hn::Sub(x, xs)), hn::Add(e, hn::Shuffle2301(e)));
+      // Even lanes: whether the odd key is kept. Outside near groups no two finite scores tie.
+      auto odd = hn::Gt(xs, x);
+      if (!hn::AllFalse(d, near)) {
+        x = hn::IfThenElse(hn::And(near, hn::Gt(x, neg_inf)), fused_order_scores(ws, r, j0 + t), x);
+        xs = hn::Shuffle2301(x);
+        odd = base::template pruned_lanes<2>(x, base::partner_first(1), base::partner_first(2));
+      }
+      kept = hn::IfThenElse(odd, xs, x);
+      sh = hn::IfThenElse(hn::RebindMask(di, odd), half, none);
+    };
+    for (int t = 0; t < w_; t += 2 * lanes_) {
+      VF k0, k1v;
+      VI s0, s1;
+      select(t, k0, s0);
+      select(t + lanes_, k1v, s1);
+      vmax = hn::Max(vmax, hn::Max(k0, k1v));
+      hn::Store(hn::ConcatEven(d, k1v, k0), d, cv + t / 2);
+      hn::StoreU(hn::ConcatEven(di, s1, s0), di, shift + t / 2);
+    }
+    return hn::GetLane(hn::MaxOfLanes(d, vmax));
+#else
+    (void)ws, (void)r, (void)j0, (void)s, (void)cv, (void)shift;
     return 0.0f;
 #endif
   }

@@ -405,6 +405,8 @@ class forward_pass : public kernel<T> {
       amx::kept_weights_to_pairs(cv, ci, kept, ws.p_amx.ptr + static_cast<std::int64_t>(i) * (w_ / 2));
       blocked |= 1u << i;
       paired_amx |= 1u << i;
+#else
+      (void)paired_amx;
 #endif
       return;
     }

@@ -199,7 +199,9 @@ class forward_pass : public kernel<T> {
       ws.row_max.ptr[i] = -std::numeric_limits<float>::infinity();
       ws.row_sum.ptr[i] = 0.0f;
       ws.row_nan.ptr[i] = 0;
-      tile_end = std::max(tile_end, this->key_limit(b, i0 + i));
+      ws.row_lim.ptr[i] = this->key_limit(b, i0 + i);
+      ws.row_whole.ptr[i] = core::whole_groups(p_, b, i0 + i);
+      tile_end = std::max(tile_end, ws.row_lim.ptr[i]);
     }
     tile_end = std::min(tile_end, k1);
     std::fill(ws.acc.ptr, ws.acc.ptr + rows * dp_, 0.0f);
@@ -327,7 +329,7 @@ class forward_pass : public kernel<T> {
   /// are in its row of ws.p_amx already (1:2 on the AMX tiles: select_amx_pairs).
   HWY_INLINE void row_epilogue(workspace& ws, std::int64_t b, std::int64_t h, std::int64_t qi, int i, std::int64_t j0,
                                std::uint32_t& blocked, std::uint32_t& paired_amx) const {
-    const std::int64_t lim = this->key_limit(b, qi);
+    const std::int64_t lim = ws.row_lim.ptr[i];
     if (j0 >= lim) return;  // the whole tile is masked for this row
     float* s = ws.s.ptr + static_cast<std::int64_t>(i) * w_;
     const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -353,7 +355,7 @@ class forward_pass : public kernel<T> {
     // instead made 1:2 2.5x the time of dense (one thread, causal, L = 2048, d = 64).
     const bool amx_tile = amx_pv_ && !ws.risky;
     const bool in_place = amx_tile || (dense_tiles_ && !masked_tile);
-    const mask::whole_groups whole = core::whole_groups(p_, b, qi);
+    const mask::whole_groups& whole = ws.row_whole.ptr[i];
     // A 1:2 tile the row does not mask, without whole groups (sink and recent windows): one kept
     // key per pair, in pair order.
     const bool paired = pair_tiles_ && !masked_tile && !mask::tile_has_whole_groups(whole, j0, w_);

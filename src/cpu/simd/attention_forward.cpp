@@ -400,23 +400,21 @@ class forward_pass : public kernel<T> {
 
     // exp(scale (x - max)) of the kept scores; the second multiply only for a scale above
     // float max / log2(e).
-    if (amx_pairs) {
-#if DFSS_SIMD_AMX
-      sum += e2_ == 1.0f ? exp_kept<false>(cv, nullptr, kept, mx, false, exp_out::weights)
-                         : exp_kept<true>(cv, nullptr, kept, mx, false, exp_out::weights);
-      amx::kept_weights_to_pairs(cv, ci, kept, ws.p_amx.ptr + static_cast<std::int64_t>(i) * (w_ / 2));
-      blocked |= 1u << i;
-      paired_amx |= 1u << i;
-#else
-      (void)paired_amx;
-#endif
-      return;
-    }
+    // (An AMX tile is in place, its weights in key order or, for amx_pairs, one per pair.)
     const exp_out out = in_place ? exp_out::weights : (paired ? exp_out::pair_signs : exp_out::offsets);
     // -inf slots whose offsets go to the zero row.
     const bool masked_slots = masked_tile && !in_place;
     sum += e2_ == 1.0f ? exp_kept<false>(cv, ci, kept, mx, masked_slots, out)
                        : exp_kept<true>(cv, ci, kept, mx, masked_slots, out);
+    if (amx_pairs) {
+#if DFSS_SIMD_AMX
+      amx::kept_weights_to_pairs(cv, ci, kept, ws.p_amx.ptr + static_cast<std::int64_t>(i) * (w_ / 2));
+      paired_amx |= 1u << i;
+#endif
+    }
+#if !DFSS_SIMD_AMX
+    (void)paired_amx;
+#endif
 
     // acc += p * V[index] over the kept keys (ci holds element offsets now).
     if (in_place || paired) {
@@ -778,32 +776,7 @@ class forward_pass : public kernel<T> {
     VF vmax = neg_inf;
     for (int t = 0; t < w_; t += lanes_) {
       VF x = hn::Load(d, s + t);
-      const VF e = hn::MulAdd(vc1, hn::Load(d, k1 + t), vc0);
-      const VF xs = hn::Shuffle2301(x);
-      VF gap, bound, kept_min;
-      if constexpr (M == 2) {
-        gap = hn::Sub(x, xs);
-        bound = hn::Add(e, hn::Shuffle2301(e));
-        kept_min = hn::Max(x, xs);
-      } else {
-        // Per pair its larger and smaller score; b_2 and b_3 are the larger and the smaller of
-        // (the smaller of the two larger ones) and (the larger of the two smaller ones).
-        const VF hi = hn::Max(x, xs), lo = hn::Min(x, xs);
-        const VF a = hn::Min(hi, hn::Shuffle1032(hi)), b = hn::Max(lo, hn::Shuffle1032(lo));
-        gap = hn::Sub(a, b);
-        const VF e2 = hn::Max(e, hn::Shuffle2301(e));
-        const VF e4 = hn::Max(e2, hn::Shuffle1032(e2));
-        bound = hn::Add(e4, e4);
-        kept_min = hn::Max(a, b);
-      }
-      // (-inf against anything gives a gap of inf or NaN: never near.)
-      const auto near = hn::Le(hn::Abs(gap), bound);
-      hn::Mask<DF> pruned = hn::Lt(x, kept_min);
-      if (!hn::AllFalse(d, near)) {
-        // The near groups' keys (their finite ones) take the micro-kernel's scores.
-        x = hn::IfThenElse(hn::And(near, hn::Gt(x, neg_inf)), fused_order_scores(ws, r, j0 + t), x);
-        pruned = base::template pruned_lanes<M>(x, base::partner_first(1), base::partner_first(2));
-      }
+      const auto pruned = settle_vector<M>(ws, r, j0, t, hn::MulAdd(vc1, hn::Load(d, k1 + t), vc0), x);
       vmax = hn::Max(vmax, x);
       hn::Store(Prune ? hn::IfThenElse(pruned, neg_inf, x) : x, d, s + t);
     }
@@ -812,6 +785,38 @@ class forward_pass : public kernel<T> {
     (void)ws, (void)r, (void)j0, (void)s, (void)tb;
     return 0.0f;
 #endif
+  }
+
+  /// select_amx_vectors' selection of the vector of row @p r's scores @p x from key @p t of the
+  /// tile at @p j0, whose keys' bounds are @p e: returns the lanes it prunes, and leaves in @p x
+  /// the micro-kernel's scores of its near groups (their finite keys).
+  template <int M>
+  HWY_INLINE hn::Mask<DF> settle_vector(const workspace& ws, int r, std::int64_t j0, int t, VF e, VF& x) const {
+    const DF d;
+    const VF xs = hn::Shuffle2301(x);
+    VF gap, bound, kept_min;
+    if constexpr (M == 2) {
+      gap = hn::Sub(x, xs);
+      bound = hn::Add(e, hn::Shuffle2301(e));
+      kept_min = hn::Max(x, xs);
+    } else {
+      // Per pair its larger and smaller score; b_2 and b_3 are the larger and the smaller of
+      // (the smaller of the two larger ones) and (the larger of the two smaller ones).
+      const VF hi = hn::Max(x, xs), lo = hn::Min(x, xs);
+      const VF a = hn::Min(hi, hn::Shuffle1032(hi)), b = hn::Max(lo, hn::Shuffle1032(lo));
+      gap = hn::Sub(a, b);
+      const VF e2 = hn::Max(e, hn::Shuffle2301(e));
+      const VF e4 = hn::Max(e2, hn::Shuffle1032(e2));
+      bound = hn::Add(e4, e4);
+      kept_min = hn::Max(a, b);
+    }
+    // (-inf against anything gives a gap of inf or NaN: never near.)
+    const auto near = hn::Le(hn::Abs(gap), bound);
+    if (hn::AllFalse(d, near)) return hn::Lt(x, kept_min);
+    // The near groups' keys (their finite ones) take the micro-kernel's scores.
+    x = hn::IfThenElse(hn::And(near, hn::Gt(x, hn::Set(d, -std::numeric_limits<float>::infinity()))),
+                       fused_order_scores(ws, r, j0 + t), x);
+    return base::template pruned_lanes<M>(x, base::partner_first(1), base::partner_first(2));
   }
 
   /// select_amx for a 1:2 tile without whole groups, compacted: for each pair of keys of row @p r's
@@ -827,24 +832,14 @@ class forward_pass : public kernel<T> {
     const DI di;
     const float* k1 = ws.k_amx_l1.ptr + j0;
     const VF vc1 = hn::Set(d, ws.q_amx_c1q.ptr[r]), vc0 = hn::Set(d, ws.q_amx_c0.ptr[r]);
-    const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
     const VI half = hn::Set(di, 16), none = hn::Zero(di);
-    VF vmax = neg_inf;
+    VF vmax = hn::Set(d, -std::numeric_limits<float>::infinity());
     // Per vector of keys from t: each even lane's kept score, and its shift.
     const auto select = [&](int t, VF& kept, VI& sh) {
       VF x = hn::Load(d, s + t);
-      const VF e = hn::MulAdd(vc1, hn::Load(d, k1 + t), vc0);
-      VF xs = hn::Shuffle2301(x);
-      // (-inf against anything gives a gap of inf or NaN: never near.)
-      const auto near = hn::Le(hn::Abs(hn::Sub(x, xs)), hn::Add(e, hn::Shuffle2301(e)));
-      // Even lanes: whether the odd key is kept. Outside near groups no two finite scores tie.
-      auto odd = hn::Gt(xs, x);
-      if (!hn::AllFalse(d, near)) {
-        x = hn::IfThenElse(hn::And(near, hn::Gt(x, neg_inf)), fused_order_scores(ws, r, j0 + t), x);
-        xs = hn::Shuffle2301(x);
-        odd = base::template pruned_lanes<2>(x, base::partner_first(1), base::partner_first(2));
-      }
-      kept = hn::IfThenElse(odd, xs, x);
+      // Even lanes: whether the even key is pruned, so the odd one kept.
+      const auto odd = settle_vector<2>(ws, r, j0, t, hn::MulAdd(vc1, hn::Load(d, k1 + t), vc0), x);
+      kept = hn::IfThenElse(odd, hn::Shuffle2301(x), x);
       sh = hn::IfThenElse(hn::RebindMask(di, odd), half, none);
     };
     for (int t = 0; t < w_; t += 2 * lanes_) {

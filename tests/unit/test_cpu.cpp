@@ -524,10 +524,10 @@ TEST(Cpu, AmxKeepsTheFp32Selection) {
 /// (a task of 32 rows and one of 8, more than the decode kernel's rows), Lk = 96, H = 2, Hkv = 1,
 /// d = 128, every query row the contest's, V = I (d >= Lk: O's row is P). q_small = 1: sum|k| near
 /// B, select_amx's per-key bound at its tightest. @p contest gets the contest.
-problem contest_problem(pattern pat, std::mt19937_64& rng, rounding_contest& contest) {
+problem contest_problem(pattern pat, std::mt19937_64& rng, rounding_contest& contest, double q_small = 1.0) {
   problem pr;
   pr.B = 1, pr.Lq = 40, pr.Lk = 96, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
-  contest = make_rounding_contest(pat.m, pr.Lk, pr.d, rng, 1.0);
+  contest = make_rounding_contest(pat.m, pr.Lk, pr.d, rng, q_small);
   pr.q.resize(static_cast<std::size_t>(pr.q_numel()));
   for (std::int64_t row = 0; row < pr.Lq * pr.H; ++row) {
     std::copy(contest.q_row.begin(), contest.q_row.end(), pr.q.begin() + row * pr.d);
@@ -544,12 +544,16 @@ TEST(Cpu, NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder) {
   // select_amx's bound for settling a pair (tests/common/near_ties.hpp: the micro-kernel moves each
   // score by about half a ulp per column, up for one kind of key and down for the other, while the
   // AMX tiles' sums of pairs stay near exact). AmxKeepsTheFp32Selection cannot tell a bound many
-  // times too small from the right one; on a CPU with AMX this test fails with select_amx's per-key
-  // bound divided by 6 (by 5 it still settles the widest pairs). contest_problem: V = I.
+  // times too small from the right one. select_amx's per-key bound is the smaller of two
+  // (near_tie_bound): through max|q| sum_c |k_c|, the tighter one with q_small = 1 (q = 1: ||q|| =
+  // sqrt(d)), and through ||q|| ||k||, the tighter one with q_small = 2^-14 (||q|| = max|q| = 1, and
+  // sum_c |k_c| 1.1-1.7 times ||k||). On a CPU with AMX this test fails with the first divided by 6
+  // (by 5 it still settles the widest pairs), or the second by 6 (by 5 it passes). contest_problem: V = I.
   std::mt19937_64 rng(test_seed() + 23);
-  for (pattern pat : {pattern{1, 2}, pattern{2, 4}}) {
+  for (const auto& [pat, q_small] : {std::pair{pattern{1, 2}, 1.0}, std::pair{pattern{2, 4}, 1.0},
+                                     std::pair{pattern{1, 2}, 0x1p-14}, std::pair{pattern{2, 4}, 0x1p-14}}) {
     rounding_contest contest;
-    const problem pr = contest_problem(pat, rng, contest);
+    const problem pr = contest_problem(pat, rng, contest, q_small);
     ASSERT_TRUE(same_bits(rounded_to_bf16(pr).k, pr.k)) << "every value of the contest is a bf16";
     for (cpu_isa isa : runnable_isas()) {
       for (dtype type : {dtype::f32, dtype::bf16}) {
@@ -562,7 +566,7 @@ TEST(Cpu, NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder) {
             wrong += (got.o[static_cast<std::size_t>(row * pr.d + j)] > 0.0) != contest.kept[static_cast<std::size_t>(j)];
           }
         }
-        EXPECT_EQ(wrong, 0) << pr.describe() << " " << dtype_name(type) << " isa=" << cpu_isa_name(isa);
+        EXPECT_EQ(wrong, 0) << pr.describe() << " " << dtype_name(type) << " isa=" << cpu_isa_name(isa) << " q_small=" << q_small;
       }
     }
   }

@@ -57,7 +57,9 @@ class forward_pass : public kernel<T> {
                     !amx_pv_),
         q_tiles_((p.seqlen_q + kRowsPerTask - 1) / kRowsPerTask),
         chunk_(split_chunk_keys(p, q_tiles_, w_)),
-        chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)) {}
+        chunks_(std::max<std::int64_t>(1, (p.seqlen_k + chunk_ - 1) / chunk_)),
+        tie_c1_(tie_c1(p.head_dim)),
+        tie_norms_(1.0 / (1.0 - (static_cast<double>(dp_) + 3.0) * 0x1p-24)) {}
 
   static constexpr bool uses_dot(bool bf16_dot) { return DFSS_SIMD_BF16_DOT && bf16_dot && std::is_same_v<T, bfloat16>; }
 
@@ -176,6 +178,9 @@ class forward_pass : public kernel<T> {
   /// Row tasks of the shape, query tiles per (batch, head), key chunk length and count
   /// (split_chunk_keys; one chunk of all keys unless the forward splits).
   const std::int64_t q_tiles_, chunk_, chunks_;
+  /// near_tie_bound's constants of the shape (c1, and the factor of the norms), computed once
+  /// rather than per row and task (their four divisions).
+  const double tie_c1_, tie_norms_;
   static_assert(kRowsPerTask <= 32, "rows of a task are bits of a std::uint32_t");
 
   /// Task @p t: query tile qt of (batch b, head h), key chunk c, ordered (b, kv head, c, head of
@@ -605,7 +610,7 @@ class forward_pass : public kernel<T> {
     const auto rows = static_cast<std::size_t>(kRowsPerTask * dp_ / 2);
     ws.k_amx.resize(panels);
     ws.q_amx.resize(rows);
-    ws.q_amx_c1q.resize(kRowsPerTask);
+    ws.q_amx_c1.resize(kRowsPerTask);
     ws.q_amx_c0.resize(kRowsPerTask);
     if (amx_pv_) {
       ws.p_amx.resize(static_cast<std::size_t>(kRowsPerTask * w_ / 2));
@@ -613,29 +618,32 @@ class forward_pass : public kernel<T> {
     }
     if (sparse_) {
       ws.k_amx_l1.resize(static_cast<std::size_t>(this->lk_pad_));
+      ws.k_amx_l2.resize(static_cast<std::size_t>(this->lk_pad_));
     }
   }
 
   /// Keys [k0, k1) of the fp32 panels (pack_head; bf16 values, so the low 16 bits are zero) as
   /// panels of column pairs (column c in the low half, c + 1 in the high one), the largest |k|, and
   /// with a selecting pattern each key's sum of |k_c| (in fp32, so at least (1 - gamma(u)) times
-  /// the exact sum).
+  /// the exact sum) and its norm_bound (near_tie_bound).
   void pack_keys_amx(workspace& ws, std::int64_t k0, std::int64_t k1) const {
 #if DFSS_SIMD_AMX
     static_assert(2 * HWY_LANES(float) == amx::kPanel, "the AVX3 panel is two 16-key tiles");
     const DF d;
     const hn::RebindToUnsigned<DF> du;
-    VF top = hn::Zero(d);
+    VF top = hn::Zero(d), l1_total = hn::Zero(d), l2_total = hn::Zero(d);
+    const VF slack = hn::Set(d, norm_slack());
     for (std::int64_t blk = k0 / panel_; blk < k1 / panel_; ++blk) {
       const float* src = ws.kt.ptr + blk * dp_ * panel_;
       const std::int64_t at = blk * (dp_ / 2) * panel_;
-      VF l1[2] = {hn::Zero(d), hn::Zero(d)};
+      VF l1[2] = {hn::Zero(d), hn::Zero(d)}, l2[2] = {hn::Zero(d), hn::Zero(d)};
       for (int c = 0; c < dp_; c += 2) {
         for (int t = 0; t < panel_; t += lanes_) {
           const VF lo = hn::Load(d, src + c * panel_ + t), hi = hn::Load(d, src + (c + 1) * panel_ + t);
           const VF mag = hn::Max(hn::Abs(lo), hn::Abs(hi));
           top = hn::Max(top, mag);
           l1[t / lanes_] = hn::Add(l1[t / lanes_], hn::Add(hn::Abs(lo), hn::Abs(hi)));
+          l2[t / lanes_] = hn::MulAdd(hi, hi, hn::MulAdd(lo, lo, l2[t / lanes_]));
           const auto pair = hn::Or(hn::ShiftRight<16>(hn::BitCast(du, lo)), hn::BitCast(du, hi));
           hn::Store(pair, du, ws.k_amx.ptr + at + (c / 2) * panel_ + t);
         }
@@ -643,9 +651,16 @@ class forward_pass : public kernel<T> {
       if (sparse_) {
         hn::Store(l1[0], d, ws.k_amx_l1.ptr + blk * panel_);
         hn::Store(l1[1], d, ws.k_amx_l1.ptr + blk * panel_ + lanes_);
+        const VF n0 = hn::Sqrt(hn::Add(l2[0], slack)), n1 = hn::Sqrt(hn::Add(l2[1], slack));
+        hn::Store(n0, d, ws.k_amx_l2.ptr + blk * panel_);
+        hn::Store(n1, d, ws.k_amx_l2.ptr + blk * panel_ + lanes_);
+        l1_total = hn::Add(l1_total, hn::Add(l1[0], l1[1]));
+        l2_total = hn::Add(l2_total, hn::Add(n0, n1));
       }
     }
     ws.k_amx_max = hn::GetLane(hn::MaxOfLanes(d, top));
+    ws.k_amx_l1_total = hn::GetLane(hn::SumOfLanes(d, l1_total));
+    ws.k_amx_l2_total = hn::GetLane(hn::SumOfLanes(d, l2_total));
 #else
     (void)ws, (void)k0, (void)k1;
 #endif
@@ -666,7 +681,7 @@ class forward_pass : public kernel<T> {
   }
 
   /// The task's query rows (fp32 in ws.q, bf16 values) as column pairs, and with a selecting pattern
-  /// each row's near-tie bound (near_tie_bound, from its largest |q|).
+  /// each row's near-tie bound (near_tie_bound, from its largest |q| and its norm_bound).
   void pack_query_amx(workspace& ws, int rows_mk) const {
     for (int i = 0; i < rows_mk; ++i) {
       const float* q = ws.q.ptr + static_cast<std::int64_t>(i) * dp_;
@@ -680,40 +695,96 @@ class forward_pass : public kernel<T> {
         // Once per row and task (after the head's pack_keys_amx, which gives max|k|), not per row
         // and tile in select_amx: causal bf16, L = 2048 and 4096, d = 64 and 128, 2 threads, 7
         // interleaved rounds (tools/bench/compare_builds.sh): 1:2 and 2:4 0.95-0.99x the time.
-        const tie_bound tb = near_tie_bound(top, ws.k_amx_max);
-        ws.q_amx_c1q.ptr[i] = tb.c1q;
+        // The squares by vectors, then across the lanes (norm_bound's sum), not one scalar chain
+        // of dp dependent FMAs per row.
+        const DF d;
+        VF squares = hn::Zero(d);
+        for (int c = 0; c < dp_; c += lanes_) {
+          const VF x = hn::Load(d, q + c);
+          squares = hn::MulAdd(x, x, squares);
+        }
+        const float q_norm = std::sqrt(hn::GetLane(hn::SumOfLanes(d, squares)) + norm_slack());
+        const tie_bound tb = near_tie_bound(ws, top, q_norm);
+        ws.q_amx_c1.ptr[i] = tb.c1;
         ws.q_amx_c0.ptr[i] = tb.c0;
+        ws.q_amx_by_norms = tb.keys == ws.k_amx_l2.ptr ? ws.q_amx_by_norms | (1u << i) : ws.q_amx_by_norms & ~(1u << i);
       }
     }
   }
 
-  /// select_amx's bound of key j's score difference: c1q K1_j + c0 (c1q = c1 max|q|, c0 = z + d 2^-149
-  /// and their rounding), for a row whose largest |q| is @p q_top against keys whose largest |k| is
-  /// @p k_top. c1 and the constant are enlarged by 2^-18,
-  /// which covers the fp32 rounding of E and of the comparisons made with it.
+  /// select_amx's bound of key j's score difference, c1 X_j + c0 (key_bounds), for a row whose
+  /// largest |q| is @p q_top and whose norm_bound is @p q_norm, against the packed keys of @p ws.
+  /// sum_c |q_c k_c| is at most max|q| sum_c |k_c| and at most ||q|| ||k|| (Cauchy-Schwarz); on
+  /// Gaussian rows the first is about 3.4 times the sum (d = 64 and 128), the second 1.6 times,
+  /// but a row with one large |q_c| favours the first. Per row, the one smaller over the packed
+  /// keys (their totals): X_j = K1_j (ws.k_amx_l1) and c1 = c1' max|q|, or X_j = N_j (ws.k_amx_l2,
+  /// norm_bound) and c1 = c1' N_q / (1 - (dp + 3) u). Either bounds the difference; which one only
+  /// decides how many groups are rescored (and is a function of the row and the packed keys, so
+  /// the same for any thread count). The minimum of both per key took 1.01-1.09x the time of
+  /// this (1:2, bf16, causal, d = 64, L = 2048, 2 threads, three alternating runs): the
+  /// selection loop is a few instructions per vector, and the minimum adds a load, a multiply and
+  /// a minimum to it. c0 = z + d 2^-149 (select_amx). c1' and c0 are enlarged by 2^-18, which covers the
+  /// fp32 rounding of E and of the comparisons made with it.
   struct tie_bound {
-    float c1q, c0;
+    float c1, c0;
+    const float* keys;  ///< X: ws.k_amx_l1 or ws.k_amx_l2
   };
-  tie_bound near_tie_bound(float q_top, float k_top) const {
-    const double u = 0x1p-24, dd = static_cast<double>(d_), margin = 1.0 + 0x1p-18;
-    const double gamma_a = dd * 2.0 * u / (1.0 - dd * 2.0 * u), gamma_f = dd * u / (1.0 - dd * u);
-    const double c1 = (gamma_a + gamma_f) / (1.0 - gamma_f) * margin;
+  tie_bound near_tie_bound(const workspace& ws, float q_top, float q_norm) const {
+    const double dd = static_cast<double>(d_), margin = 1.0 + 0x1p-18;
     const double q_max = static_cast<double>(q_top);
-    const double z = dd * 0x1p-126 * (q_max + static_cast<double>(k_top) + 1.0);
-    return {static_cast<float>(c1 * q_max), static_cast<float>((c1 * z + z + dd * 0x1p-149) * margin)};
+    const double z = dd * 0x1p-126 * (q_max + static_cast<double>(ws.k_amx_max) + 1.0);
+    const auto c0 = static_cast<float>((tie_c1_ * z + z + dd * 0x1p-149) * margin);
+    const double by_sum = tie_c1_ * q_max;
+    // norm_bound: ||q|| ||k|| <= N_q N_k / (1 - u)^(dp + 3) <= N_q N_k / (1 - (dp + 3) u) (tie_norms_).
+    const double by_norms = tie_c1_ * tie_norms_ * static_cast<double>(q_norm);
+    if (by_norms * static_cast<double>(ws.k_amx_l2_total) < by_sum * static_cast<double>(ws.k_amx_l1_total)) {
+      return {static_cast<float>(by_norms), c0, ws.k_amx_l2.ptr};
+    }
+    return {static_cast<float>(by_sum), c0, ws.k_amx_l1.ptr};
+  }
+
+  /// near_tie_bound's c1 = (gamma(2u) + gamma(u)) / (1 - gamma(u)) for head dim @p d, with the margin.
+  static double tie_c1(int d) {
+    const double u = 0x1p-24, dd = static_cast<double>(d), margin = 1.0 + 0x1p-18;
+    const double gamma_a = dd * 2.0 * u / (1.0 - dd * 2.0 * u), gamma_f = dd * u / (1.0 - dd * u);
+    return (gamma_a + gamma_f) / (1.0 - gamma_f) * margin;
+  }
+
+  /// What norm_bound adds to a sum of squares before its square root: 2 dp 2^-126. A vector x's
+  /// norm bound is N = fl(sqrt(fl(S + 2 dp 2^-126))), S its dp squares summed in fp32 by FMAs and
+  /// additions at most dp deep (a chain over the columns in pack_keys_amx; lanes, then across
+  /// them, in pack_query_amx). Each step of S loses at most u of its sum or, where the sum
+  /// or an operand falls below 2^-126 (flushed or read as 0 under FTZ / DAZ, which the caller may
+  /// have set), at most 2 2^-126; so S >= (1 - u)^dp ||x||^2 - 2 dp 2^-126, and with the addition
+  /// and the square root rounded, N >= (1 - u)^((dp + 3) / 2) ||x||. Values are tame (at most
+  /// 2^50: row_is_tame), so no sum of squares overflows.
+  float norm_slack() const { return static_cast<float>(2.0 * static_cast<double>(dp_) * 0x1p-126); }
+
+  /// select_amx's bound E (near_tie_bound) of the vector of keys from @p j (a packed key index) for
+  /// the row whose bound is @p tb.
+  static HWY_INLINE VF key_bounds(const tie_bound& tb, std::int64_t j) {
+    const DF d;
+    return hn::MulAdd(hn::Set(d, tb.c1), hn::Load(d, tb.keys + j), hn::Set(d, tb.c0));
+  }
+
+  /// Row @p r's tie_bound (pack_query_amx).
+  static tie_bound row_bound(const workspace& ws, int r) {
+    return {ws.q_amx_c1.ptr[r], ws.q_amx_c0.ptr[r], (ws.q_amx_by_norms >> r) & 1u ? ws.k_amx_l2.ptr : ws.k_amx_l1.ptr};
   }
 
   /// The selection of a row of a tile scored on AMX tiles (@p r its row in the task, @p s its masked
   /// scores; without @p Prune only the settling below, the scores left for compact), made the fp32
   /// micro-kernel's (so the selection of every other CPU kernel, and of the
   /// fused backward, which recomputes it in fp32), in place as select_in_place leaves it; returns
-  /// the tile's largest score. With A = sum_c |q_c k_c| <= max|q| sum_c |k_c|, u = 2^-24 and
+  /// the tile's largest score. With A = sum_c |q_c k_c|, u = 2^-24 and
   /// gamma(x) = d x / (1 - d x): an AMX score is within gamma(2u) A + z of the exact dot product,
   /// z = d 2^-126 (max|q| + max|k| + 1) (amx_tiles.hpp's assumption: at most d additions within 2u,
   /// denormal operands read as 0, denormal sums flushed), the micro-kernel's within gamma(u) A +
   /// d 2^-149. So an AMX score and the micro-kernel's score of the same key differ by at most E =
-  /// c1 max|q| K1 + z + d 2^-149 (near_tie_bound), with K1 the key's computed sum of |k_c|
-  /// (ws.k_amx_l1) and c1 = (gamma(2u) + gamma(u)) / (1 - gamma(u)). Where every kept key i of a
+  /// c1 max|q| K1 + z + d 2^-149 and at most c1 ||q|| ||k|| + z + d 2^-149 (near_tie_bound picks
+  /// one per row; key_bounds), with K1 the key's computed sum of |k_c| (ws.k_amx_l1), the norms
+  /// bounded from above through norm_bound (ws.k_amx_l2) and c1 = (gamma(2u) + gamma(u)) /
+  /// (1 - gamma(u)). Where every kept key i of a
   /// group and every pruned one j are apart by more than E_i + E_j, the micro-kernel keeps the same
   /// keys. A group where they are not (a near tie: rare on real data, every tie of integer inputs)
   /// gets its scores recomputed in the micro-kernel's order, bitwise (fused_order_scores), and is
@@ -723,15 +794,17 @@ class forward_pass : public kernel<T> {
   /// d max|q| max|k| settling was 22% of a 2:4 call and 2:4 slower than without AMX; with A from a
   /// second tile product of |Q| and |K| (tighter still) the product and the pass cost more than this
   /// per-key bound does. Checked by Cpu.AmxKeepsTheFp32Selection (which fails with the settling
-  /// removed), Cpu.NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder (which fails with the bound
-  /// divided by 6) and by the CPU tests, which run with AMX wherever the CPU has it.
+  /// removed), Cpu.NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder (which fails with either
+  /// of near_tie_bound's two bounds divided by 6) and by the CPU tests, which run with AMX wherever
+  /// the CPU has it. Against max|q| K1 alone, choosing the norms' bound where it is smaller took
+  /// 0.93-0.99x the time (1:2 and 2:4, causal bf16, L = 2048 and 4096, d = 64 and 128, 2 threads,
+  /// 5 rounds of tools/bench/compare_builds.sh; the most at d = 128, L = 4096).
   template <bool Prune = true>
   float select_amx(workspace& ws, int r, std::int64_t j0, float* s, const mask::whole_groups& whole) const {
 #if DFSS_SIMD_AMX
     const auto j = static_cast<std::int32_t>(j0);
     if (!sparse_) return Prune ? this->select_in_place(s, j, whole) : 0.0f;
-    const float* k1 = ws.k_amx_l1.ptr + j0;
-    const tie_bound tb{ws.q_amx_c1q.ptr[r], ws.q_amx_c0.ptr[r]};  // near_tie_bound (pack_query_amx)
+    const tie_bound tb = row_bound(ws, r);
     if (this->pairs_in_vectors(j, whole)) {
       return p_.pattern_m == 2 ? select_amx_vectors<2, Prune>(ws, r, j0, s, tb)
                                : select_amx_vectors<4, Prune>(ws, r, j0, s, tb);
@@ -739,7 +812,8 @@ class forward_pass : public kernel<T> {
     // Other N:M, and tiles with groups kept whole: every pair of a group compared (-inf against
     // anything gives inf or NaN: never near), then select_in_place.
     const int m = p_.pattern_m;
-    const auto bound = [&](int key) { return tb.c1q * k1[key] + tb.c0; };
+    const float* x = tb.keys + j0;
+    const auto bound = [&](int key) { return tb.c1 * x[key] + tb.c0; };
     for (int g = 0; g < w_; g += m) {
       bool near = false;
       for (int a = g; a < g + m && !near; ++a) {
@@ -770,13 +844,11 @@ class forward_pass : public kernel<T> {
   float select_amx_vectors(workspace& ws, int r, std::int64_t j0, float* s, tie_bound tb) const {
 #if DFSS_SIMD_AMX
     const DF d;
-    const float* k1 = ws.k_amx_l1.ptr + j0;
-    const VF vc1 = hn::Set(d, tb.c1q), vc0 = hn::Set(d, tb.c0);
     const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
     VF vmax = neg_inf;
     for (int t = 0; t < w_; t += lanes_) {
       VF x = hn::Load(d, s + t);
-      const auto pruned = settle_vector<M>(ws, r, j0, t, hn::MulAdd(vc1, hn::Load(d, k1 + t), vc0), x);
+      const auto pruned = settle_vector<M>(ws, r, j0, t, key_bounds(tb, j0 + t), x);
       vmax = hn::Max(vmax, x);
       hn::Store(Prune ? hn::IfThenElse(pruned, neg_inf, x) : x, d, s + t);
     }
@@ -826,19 +898,19 @@ class forward_pass : public kernel<T> {
   /// weight either way). Against select_amx_vectors and the exponentials of the whole tile (causal
   /// bf16, 5 interleaved rounds of tools/bench/compare_builds.sh): 0.93-0.97x the time at d = 64,
   /// 1.00x at d = 128 (docs/design.md, "AMX tiles for the bf16 forward").
-  float select_amx_pairs(workspace& ws, int r, std::int64_t j0, const float* s, float* cv, std::int32_t* shift) const {
+  HWY_INLINE float select_amx_pairs(workspace& ws, int r, std::int64_t j0, const float* s, float* cv,
+                                    std::int32_t* shift) const {
 #if DFSS_SIMD_AMX
     const DF d;
     const DI di;
-    const float* k1 = ws.k_amx_l1.ptr + j0;
-    const VF vc1 = hn::Set(d, ws.q_amx_c1q.ptr[r]), vc0 = hn::Set(d, ws.q_amx_c0.ptr[r]);
+    const tie_bound tb = row_bound(ws, r);
     const VI half = hn::Set(di, 16), none = hn::Zero(di);
     VF vmax = hn::Set(d, -std::numeric_limits<float>::infinity());
     // Per vector of keys from t: each even lane's kept score, and its shift.
     const auto select = [&](int t, VF& kept, VI& sh) {
       VF x = hn::Load(d, s + t);
       // Even lanes: whether the even key is pruned, so the odd one kept.
-      const auto odd = settle_vector<2>(ws, r, j0, t, hn::MulAdd(vc1, hn::Load(d, k1 + t), vc0), x);
+      const auto odd = settle_vector<2>(ws, r, j0, t, key_bounds(tb, j0 + t), x);
       kept = hn::IfThenElse(odd, hn::Shuffle2301(x), x);
       sh = hn::IfThenElse(hn::RebindMask(di, odd), half, none);
     };

@@ -158,12 +158,13 @@ struct workspace {
   aligned_buffer<std::uint16_t> vb;
   aligned_buffer<std::uint32_t> vpair;  ///< avx3_bf16, dense: V rows of key pairs (pack_value_pair)
   // The forward's Q K^T on AMX tiles (amx_tiles.hpp): K panels and the query tile as bf16 column
-  // pairs, the sum of |k_c| of each packed key, the largest |q| of each query row and |k| of the
-  // packed keys (the forward's select_amx bound).
+  // pairs, the sum of |k_c| and the norm bound of each packed key, the largest |k| of the packed
+  // keys and the totals of both per-key values (the forward's select_amx bound, near_tie_bound).
   aligned_buffer<std::uint32_t> k_amx, q_amx, p_amx;  ///< p_amx: a dense tile's weights as bf16 pairs
-  aligned_buffer<float> k_amx_l1;
-  aligned_buffer<float> q_amx_c1q, q_amx_c0;  ///< each task row's near-tie bound (the forward's select_amx)
-  float k_amx_max = 0.0f;
+  aligned_buffer<float> k_amx_l1, k_amx_l2;
+  aligned_buffer<float> q_amx_c1, q_amx_c0;  ///< each task row's near-tie bound (near_tie_bound)
+  std::uint32_t q_amx_by_norms = 0;          ///< the task rows whose bound goes through the norms
+  float k_amx_max = 0.0f, k_amx_l1_total = 0.0f, k_amx_l2_total = 0.0f;
 };
 
 /// Partial online-softmax states of rows over chunks of their keys (the decode forward's key chunks,

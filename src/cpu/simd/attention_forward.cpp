@@ -4,7 +4,7 @@
 // Work is split into tasks of kRowsPerTask query rows of one (batch, head); a worker packs the K and
 // V of the (batch, kv head) it works on once (kernel_parts-inl.h). Per task and key tile of W keys
 // (W a multiple of the panel width P = 2 vectors and of M, at least forward_key_tile(d): 128 keys
-// at d = 64, 64 at d = 128):
+// at d = 64, 64 at d = 128; 128 at least on the AMX tiles, kMinKeyTileAmx):
 //   1. S = Q K^T for the task's rows with the register-blocked micro-kernel (kMicroRows x P). Q is
 //      not pre-scaled: unscaled scores of integer inputs are exact, so selections (ties included)
 //      match the reference exactly; the scale enters the exp2 argument as scale (s - max) log2(e)
@@ -77,7 +77,11 @@ class forward_pass : public kernel<T> {
 
   /// The minimum key tile of a call with inputs of type T (@p bf16_dot: see the constructor).
   static int min_tile(const attention_params& p, bool bf16_dot) {
-    return uses_dot(bf16_dot) ? kMinKeyTileBf16Dot : forward_key_tile(p.head_dim);
+    if (uses_dot(bf16_dot)) return kMinKeyTileBf16Dot;
+    const int lanes = static_cast<int>(hn::Lanes(DF()));
+    const int dp = static_cast<int>((p.head_dim + lanes - 1) / lanes * lanes);  // kernel's dp_
+    const bool amx = uses_amx(p, uses_dot(bf16_dot), dp, bias_only_masks(p));
+    return amx ? std::max(forward_key_tile(p.head_dim), kMinKeyTileAmx) : forward_key_tile(p.head_dim);
   }
 
   /// With the bf16 dot products, dense tiles run blocked when a tile's key pairs fit
@@ -971,7 +975,8 @@ class forward_pass : public kernel<T> {
 status forward_entry(const attention_params& p, simd_target t) {
   const bool dot = t == simd_target::avx3_bf16;
   // int32 offsets would overflow: the scalar twin (with the key tile the call will use).
-  const int tile = forward_pass<bfloat16>::min_tile(p, dot && p.input_type == dtype::bf16);
+  const int tile = p.input_type == dtype::bf16 ? forward_pass<bfloat16>::min_tile(p, dot)
+                                                : forward_pass<float>::min_tile(p, false);
   if (!kernel<float>::fits_int32(p, tile)) return fused_forward_scalar(p);
   return run_pass<forward_pass>(p, "dfss cpu simd fused forward", dot);
 }

@@ -96,6 +96,14 @@ inline int forward_key_tile(std::int64_t head_dim) {
 /// Measured (Zen 5, L = 2048, d = 64, 2 threads, bf16): 64 -> 128 took the 1:2 forward from 112 to
 /// 80 ms, 2:4 from 104 to 82, dense from 120 to 104; 256 measured the same as 128.
 inline constexpr int kMinKeyTileBf16Dot = 128;
+/// The forward's minimum key tile where Q K^T runs on the AMX tiles (bf16 inputs on a CPU with
+/// AMX): as with the bf16 dot products, the products are fast and each row's work per tile (the
+/// selection's set-up, the horizontal max and sum, the rescale) and each AMX call's loads and
+/// stores of its accumulator tiles weigh more, while K is half the bytes of fp32. Measured
+/// (Sapphire Rapids VM, causal bf16, B = 1, H = 12, L = 4096, d = 128, one thread, two alternating
+/// runs): 64 -> 128 keys took dense 136 -> 116 ms, 1:2 154 -> 131, 2:4 164 -> 150; 256 keys 111,
+/// 124 and 143. At d = 64 (128 keys already) 256 keys made dense 1-3% slower and 1:2 4-5% faster.
+inline constexpr int kMinKeyTileAmx = 128;
 using fused::kDirectLseLimit;  // shared with the scalar twin (cpu/fused_common.hpp)
 using fused::kLn2;
 using fused::kLog2e;
@@ -796,7 +804,7 @@ inline bool bias_only_masks(const attention_params& p) {
 /// Shared state and code of the forward and backward of one call, for input element type T.
 template <typename T>
 struct kernel {
-  /// @p min_tile: the minimum key tile width (kMinKeyTile, or kMinKeyTileBf16Dot).
+  /// @p min_tile: the minimum key tile width (kMinKeyTile, kMinKeyTileBf16Dot or kMinKeyTileAmx).
   explicit kernel(const attention_params& p, int min_tile = kMinKeyTile)
       : p_(p),
         d_(static_cast<int>(p.head_dim)),

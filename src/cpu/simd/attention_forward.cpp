@@ -4,7 +4,7 @@
 // Work is split into tasks of kRowsPerTask query rows of one (batch, head); a worker packs the K and
 // V of the (batch, kv head) it works on once (kernel_parts-inl.h). Per task and key tile of W keys
 // (W a multiple of the panel width P = 2 vectors and of M, at least forward_key_tile(d): 128 keys
-// at d = 64, 64 at d = 128; 128 at least on the AMX tiles, kMinKeyTileAmx):
+// at d = 64, 64 at d = 128; 256 at least on the AMX tiles, kMinKeyTileAmx):
 //   1. S = Q K^T for the task's rows with the register-blocked micro-kernel (kMicroRows x P). Q is
 //      not pre-scaled: unscaled scores of integer inputs are exact, so selections (ties included)
 //      match the reference exactly; the scale enters the exp2 argument as scale (s - max) log2(e)

@@ -100,10 +100,11 @@ inline constexpr int kMinKeyTileBf16Dot = 128;
 /// AMX): as with the bf16 dot products, the products are fast and each row's work per tile (the
 /// selection's set-up, the horizontal max and sum, the rescale) and each AMX call's loads and
 /// stores of its accumulator tiles weigh more, while K is half the bytes of fp32. Measured
-/// (Sapphire Rapids VM, causal bf16, B = 1, H = 12, L = 4096, d = 128, one thread, two alternating
-/// runs): 64 -> 128 keys took dense 136 -> 116 ms, 1:2 154 -> 131, 2:4 164 -> 150; 256 keys 111,
-/// 124 and 143. At d = 64 (128 keys already) 256 keys made dense 1-3% slower and 1:2 4-5% faster.
-inline constexpr int kMinKeyTileAmx = 128;
+/// (Sapphire Rapids VM, causal bf16, B = 1, H = 12, 2 threads, 5 rounds of
+/// tools/bench/compare_builds.sh, L = 1024-4096): at d = 128, 64 -> 128 keys took dense 0.84-0.88x
+/// the time, 1:2 0.85-0.89x, 2:4 0.88-0.93x; 128 -> 256 keys (d = 64 and 128) 1:2 0.91-0.98x,
+/// dense 0.98-1.00x, 2:4 0.95-1.02x.
+inline constexpr int kMinKeyTileAmx = 256;
 using fused::kDirectLseLimit;  // shared with the scalar twin (cpu/fused_common.hpp)
 using fused::kLn2;
 using fused::kLog2e;

@@ -9,6 +9,9 @@
 // (the avx3_bf16 target with bf16 inputs), O may move by another kBf16Roundoff * max|v|
 // (tests/common/testing.hpp derives it).
 #include <gtest/gtest.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include <array>
 #include <bit>
@@ -418,6 +421,30 @@ bool bf16_dot_runs() {
   return std::find(isas.begin(), isas.end(), cpu_isa::avx3_bf16) != isas.end();
 }
 
+/// Sets MXCSR's FTZ and DAZ on this thread while alive (where @p on, on x86), as
+/// torch.set_flush_denormal(True) does; restores MXCSR after.
+class flushed_denormals {
+ public:
+  explicit flushed_denormals(bool on) {
+#if defined(__x86_64__) || defined(__i386__)
+    saved_ = _mm_getcsr();
+    if (on) _mm_setcsr(saved_ | 0x8040u);  // FTZ (bit 15) and DAZ (bit 6)
+#else
+    (void)on;
+#endif
+  }
+  ~flushed_denormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(saved_);
+#endif
+  }
+  flushed_denormals(const flushed_denormals&) = delete;
+  flushed_denormals& operator=(const flushed_denormals&) = delete;
+
+ private:
+  [[maybe_unused]] unsigned saved_ = 0;
+};
+
 run_options bf16_options(cpu_isa isa, int threads = 0) {
   run_options opt;
   opt.type = dtype::bf16;
@@ -475,16 +502,24 @@ TEST(Cpu, AmxKeepsTheFp32Selection) {
   // sums' rounding. V = I (d >= Lk) makes O's row i P_i itself: nonzero exactly at the kept keys.
   // Lq = 40: a task of 32 rows (two row tiles) and one of 8; Lk = 120: a last partial panel.
   // Each pattern also with a causal mask and a key length of 117 (groups cut by the mask: -inf
-  // among near scores), with sink and recent windows (tiles with groups kept whole), and with a
-  // mask given as a bias (0 and -inf: it keeps the AMX tiles; -inf among near scores).
+  // among near scores), with sink and recent windows (tiles with groups kept whole), with a
+  // mask given as a bias (0 and -inf: it keeps the AMX tiles; -inf among near scores), and scaled
+  // under FTZ and DAZ (x86): K by 2^-64 and Q by 2^48, so that every score is 2^-16 times the
+  // unscaled one with the same roundings, while each key's squares (about 2^-128) flush to 0 in
+  // near_tie_bound's norm bounds, on one thread (MXCSR is per thread). That variant fails with
+  // norm_slack() returning 0: the norms' bound is then 0 and picked, and the near ties go unsettled.
   const auto isas = runnable_isas();
   const auto runs = [&](cpu_isa isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
   if (!runs(cpu_isa::avx2) || !runs(cpu_isa::avx3)) GTEST_SKIP() << "this CPU runs avx2 or avx3 not";
   std::mt19937_64 rng(test_seed() + 21);
   std::uniform_real_distribution<double> u(0.5, 1.5);
   std::uniform_int_distribution<int> n128(0, 127);
-  for (int variant = 0; variant < 12; ++variant) {
+  for (int variant = 0; variant < 15; ++variant) {
     const pattern pat = std::array{pattern{1, 2}, pattern{2, 4}, pattern{3, 8}}[static_cast<std::size_t>(variant % 3)];
+    const bool flushed = variant / 3 == 4;
+#if !(defined(__x86_64__) || defined(__i386__))
+    if (flushed) continue;  // MXCSR's FTZ and DAZ are x86's
+#endif
     problem pr;
     pr.B = 1, pr.Lq = 40, pr.Lk = 120, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;
     if (variant / 3 == 1) pr.causal = true, pr.key_lengths = {117};
@@ -511,19 +546,25 @@ TEST(Cpu, AmxKeepsTheFp32Selection) {
         pr.v[static_cast<std::size_t>(j * pr.d + j)] = 1.0;
       }
     }
+    if (flushed) {
+      for (double& x : pr.q) x = std::ldexp(x, 48);
+      for (double& x : pr.k) x = std::ldexp(x, -64);
+    }
     pr = rounded_to_bf16(pr);
-    const auto fp32 = run_forward(pr, bf16_options(cpu_isa::avx2));
-    const auto got = run_forward(pr, bf16_options(cpu_isa::avx3));
+    const int threads = flushed ? 1 : 0;
+    const flushed_denormals ftz_daz(flushed);
+    const auto fp32 = run_forward(pr, bf16_options(cpu_isa::avx2, threads));
+    const auto got = run_forward(pr, bf16_options(cpu_isa::avx3, threads));
     int differ = 0;
     for (std::size_t e = 0; e < got.o.size(); ++e) differ += (got.o[e] > 0.0) != (fp32.o[e] > 0.0);
-    EXPECT_EQ(differ, 0) << pr.describe();
+    EXPECT_EQ(differ, 0) << pr.describe() << (flushed ? " scaled, FTZ and DAZ" : "");
   }
 }
 
 /// The fused forward's near-tie contest (tests/common/near_ties.hpp) as a problem: B = 1, Lq = 40
 /// (a task of 32 rows and one of 8, more than the decode kernel's rows), Lk = 96, H = 2, Hkv = 1,
-/// d = 128, every query row the contest's, V = I (d >= Lk: O's row is P). q_small = 1: sum|k| near
-/// B, select_amx's per-key bound at its tightest. @p contest gets the contest.
+/// d = 128, every query row the contest's, V = I (d >= Lk: O's row is P). @p q_small: 1 makes
+/// max|q| sum|k| the tighter of near_tie_bound's two bounds, 2^-14 the norms'. @p contest gets the contest.
 problem contest_problem(pattern pat, std::mt19937_64& rng, rounding_contest& contest, double q_small = 1.0) {
   problem pr;
   pr.B = 1, pr.Lq = 40, pr.Lk = 96, pr.H = 2, pr.Hkv = 1, pr.d = 128, pr.pat = pat;

@@ -585,8 +585,8 @@ TEST(Cpu, NearTiesAsFarApartAsTheBoundsAllowFollowTheFusedOrder) {
   // select_amx's bound for settling a pair (tests/common/near_ties.hpp: the micro-kernel moves each
   // score by about half a ulp per column, up for one kind of key and down for the other, while the
   // AMX tiles' sums of pairs stay near exact). AmxKeepsTheFp32Selection cannot tell a bound many
-  // times too small from the right one. select_amx's per-key bound is the smaller of two
-  // (near_tie_bound): through max|q| sum_c |k_c|, the tighter one with q_small = 1 (q = 1: ||q|| =
+  // times too small from the right one. select_amx's per-key bound goes through one of two, per
+  // row the smaller over the keys (near_tie_bound): max|q| sum_c |k_c|, the tighter one with q_small = 1 (q = 1: ||q|| =
   // sqrt(d)), and through ||q|| ||k||, the tighter one with q_small = 2^-14 (||q|| = max|q| = 1, and
   // sum_c |k_c| 1.1-1.7 times ||k||). On a CPU with AMX this test fails with the first divided by 6
   // (by 5 it still settles the widest pairs), or the second by 6 (by 5 it passes). contest_problem: V = I.

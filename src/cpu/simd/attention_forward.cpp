@@ -78,9 +78,7 @@ class forward_pass : public kernel<T> {
   /// The minimum key tile of a call with inputs of type T (@p bf16_dot: see the constructor).
   static int min_tile(const attention_params& p, bool bf16_dot) {
     if (uses_dot(bf16_dot)) return kMinKeyTileBf16Dot;
-    const int lanes = static_cast<int>(hn::Lanes(DF()));
-    const int dp = static_cast<int>((p.head_dim + lanes - 1) / lanes * lanes);  // kernel's dp_
-    const bool amx = uses_amx(p, uses_dot(bf16_dot), dp, bias_only_masks(p));
+    const bool amx = uses_amx(p, uses_dot(bf16_dot), base::padded_dim(p.head_dim), bias_only_masks(p));
     return amx ? std::max(forward_key_tile(p.head_dim), kMinKeyTileAmx) : forward_key_tile(p.head_dim);
   }
 
@@ -687,6 +685,7 @@ class forward_pass : public kernel<T> {
   /// The task's query rows (fp32 in ws.q, bf16 values) as column pairs, and with a selecting pattern
   /// each row's near-tie bound (near_tie_bound, from its largest |q| and its norm_bound).
   void pack_query_amx(workspace& ws, int rows_mk) const {
+    ws.q_amx_by_norms = 0;
     for (int i = 0; i < rows_mk; ++i) {
       const float* q = ws.q.ptr + static_cast<std::int64_t>(i) * dp_;
       std::uint32_t* out = ws.q_amx.ptr + static_cast<std::int64_t>(i) * (dp_ / 2);
@@ -711,7 +710,7 @@ class forward_pass : public kernel<T> {
         const tie_bound tb = near_tie_bound(ws, top, q_norm);
         ws.q_amx_c1.ptr[i] = tb.c1;
         ws.q_amx_c0.ptr[i] = tb.c0;
-        ws.q_amx_by_norms = tb.keys == ws.k_amx_l2.ptr ? ws.q_amx_by_norms | (1u << i) : ws.q_amx_by_norms & ~(1u << i);
+        if (tb.keys == ws.k_amx_l2.ptr) ws.q_amx_by_norms |= 1u << i;
       }
     }
   }

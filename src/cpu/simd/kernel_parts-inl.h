@@ -811,7 +811,7 @@ struct kernel {
         d_(static_cast<int>(p.head_dim)),
         lanes_(static_cast<int>(hn::Lanes(DF()))),
         panel_(2 * lanes_),
-        dp_((d_ + lanes_ - 1) / lanes_ * lanes_),
+        dp_(padded_dim(p.head_dim)),
         w_(key_tile_width(p.pattern_m, panel_, min_tile)),
         lk_pad_((p.seqlen_k + w_ - 1) / w_ * w_),
         zero_row_(static_cast<std::int32_t>(lk_pad_)),
@@ -820,10 +820,16 @@ struct kernel {
         e2_(std::isfinite(scale_ * kLog2e) ? 1.0f : kLog2e),
         group_(p.heads / p.heads_kv) {}
 
+  /// The head dim padded to whole vectors (dp_).
+  static int padded_dim(std::int64_t head_dim) {
+    const auto lanes = static_cast<std::int64_t>(hn::Lanes(DF()));
+    return static_cast<int>((head_dim + lanes - 1) / lanes * lanes);
+  }
+
   /// Whether the packed V fits int32 element offsets (the compacted key indices become offsets).
   static bool fits_int32(const attention_params& p, int min_tile = kMinKeyTile) {
     const int lanes = static_cast<int>(hn::Lanes(DF()));
-    const std::int64_t dp = (p.head_dim + lanes - 1) / lanes * lanes;
+    const std::int64_t dp = padded_dim(p.head_dim);
     const std::int64_t w = key_tile_width(p.pattern_m, 2 * lanes, min_tile);
     return (p.seqlen_k + 2 * w + 1) * dp <= std::numeric_limits<std::int32_t>::max();
   }

@@ -58,7 +58,10 @@ struct shape {
 /// odd number of rows per kv head at d = 128 (group 3 times 3 drafts: the key-major P V's passes of
 /// whole rows end with a pass of one row). The f32 and bf16 caches are [B, L, Hkv, d] memory (kv
 /// heads interleaved: tasks of several kv heads, decode_head_block, on one thread, of one head on
-/// more), the f16 ones [B, Hkv, L, d]; 3 kv heads make blocks of 2 and 1 on one thread.
+/// more), the f16 ones [B, Hkv, L, d]; 3 kv heads make blocks of 2 and 1 on one thread. The last
+/// shape has 128 (batch, kv head) pairs, so a [B, Hkv, L, d] cache is one chunk per pair and its
+/// tasks walk three or (the shorter sequence) two key tiles of 1024 keys through the software
+/// pipeline (a tile's P V after the next tile's scores); the [B, L, Hkv, d] ones two of 256 per task.
 std::vector<shape> decode_shapes() {
   return {
       {1, 1, 1, 1, 1, 8, false, false, {}},
@@ -71,6 +74,7 @@ std::vector<shape> decode_shapes() {
       {1, 2, 300, 4, 2, 256, false, false, {300}},
       {1, 3, 700, 6, 2, 128, false, false, {}},
       {1, 2, 1300, 6, 3, 64, false, false, {}},
+      {2, 2, 3001, 128, 64, 32, true, false, {3001, 2100}},
   };
 }
 
@@ -514,11 +518,11 @@ TEST(CpuDecode, MaskGivenAsABiasKeepsTheDirectPath) {
   // exactly, so the decode kernel keeps its direct path (bias_only_masks). Random inputs: -inf from
   // each sequence's length on gives the bits that those key lengths give without a bias, 1 and 3
   // threads, f32 and bf16 caches. Both runs take the direct path; the panel path sums in another
-  // order, so a bias sent there differs in rounding. The lengths are whole chunks (512 keys), so
-  // the tiles both runs compute hold the same keys.
+  // order, so a bias sent there differs in rounding. The lengths are whole key tiles (the decode
+  // kernel's 1024 keys, kDecodeKeyTile), so the tiles both runs compute hold the same keys.
   std::mt19937_64 rng(test_seed() + 107);
   for (pattern pat : kPatterns) {
-    shape s{2, 1, 1500, 8, 2, 64, false, false, {1024, 512}};
+    shape s{2, 1, 2500, 8, 2, 64, false, false, {2048, 1024}};
     const problem with_lengths = make_problem(s, pat, rng, /*integers=*/false);
     problem with_bias = with_lengths;
     with_bias.key_lengths.clear();

@@ -77,9 +77,23 @@ inline constexpr std::int64_t kPrefetchTiles = 1;
 /// heads, where the step is bound by compute. Measured (Zen 5, 2 threads, d = 128, GQA 32:8, bf16
 /// cache, two interleaved runs each): 64 -> 128 keys, dense 2.9-3.3 -> 2.5-2.6 ms at Lk = 16384
 /// and 10.8-11.1 -> 9.5-9.9 ms at 65536; 128 -> 256 keys, 2.5-2.6 -> 2.2-2.3 and 9.5-9.9 -> 8.8-9.1
-/// ms; fp32 caches and MHA within the runs' noise both times. Scratch grows with it (the S tile of
-/// group * Lq rows, the kept slots), still a few hundred KiB at most per thread.
-inline constexpr int kDecodeKeyTile = 256;
+/// ms; fp32 caches and MHA within the runs' noise both times. 256 -> 1024 keys (Zen 4, 2 threads,
+/// GQA 32:8, a driver timing dfss::attention_forward after a 128 MiB read elsewhere, medians of 5-7
+/// interleaved rounds): bf16 cache dense 0.82 -> 0.75 ms at Lk = 4096, 2.94 -> 2.65 ms at 16384,
+/// 10.8 -> 9.5 ms at 65536, 1:2 and 2:4 7-20% faster at 16384; fp32 caches 3-6% (19.4 -> 19.2 ms at
+/// 65536); 512 keys in between. In `perf`, the share that shrank is the wait for the first V rows
+/// of a tile, where the hardware prefetcher picks up the V stream after the tile's K (and the K
+/// stream after its V): fewer switches between the two streams. Scratch grows with it (the S tile
+/// of group * Lq rows, the kept slots: about 100 KiB per kv head of a task at 4 rows; the panel
+/// path's K and V tiles, 1 MiB at d = 128). Where the kv heads are interleaved (heads_interleaved)
+/// the tile stays kDecodeKeyTileInterleaved.
+inline constexpr int kDecodeKeyTile = 1024;
+/// The key tile where the kv heads are interleaved ([B, L, Hkv, d]), whose tasks take a block of kv
+/// heads of one short chunk in phases of kDecodePhaseKeys keys (heads_interleaved): 1024 keys
+/// measured no different there (Zen 4, 2 threads, Lk = 16384, GQA 32:8 bf16 5.8 against 5.9 ms, MHA
+/// 32:32 bf16 17.3 against 17.2 ms, GQA fp32 7.5 against 7.9 ms, medians of 5 interleaved rounds),
+/// and with 256 a task of the shortest chunk (kDecodeMinChunk) still holds two tiles.
+inline constexpr int kDecodeKeyTileInterleaved = 256;
 /// Keys per block of the key-major P V (key_major_accumulate): a block's V rows are read once from
 /// memory by the first column slice and again from L1 by the others and by further row blocks;
 /// 32 rows of fp32 at d = 128 are 16 KiB, half of Zen 4's L1.
@@ -291,7 +305,7 @@ class decode_pass : public kernel<T> {
   /// @p bf16_dot: the direct path's Q K^T from a bf16 cache as bf16 dot products (the avx3_bf16
   /// target; other instances and input types ignore it).
   decode_pass(const attention_params& p, bool bf16_dot)
-      : base(p, kDecodeKeyTile),
+      : base(p, heads_interleaved(p) ? kDecodeKeyTileInterleaved : kDecodeKeyTile),
         rows_(static_cast<int>(group_ * p.seqlen_q)),
         rows_mk_(rows_ <= 2 ? rows_ : (rows_ + 3) / 4 * 4),
         chunk_(decode_chunk_keys(p, w_)),

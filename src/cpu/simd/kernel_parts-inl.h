@@ -1007,6 +1007,15 @@ struct kernel {
 #endif
   }
 
+  /// prefetch_line into L2 (and the last level), not L1: for reads a few hundred KiB ahead.
+  static HWY_INLINE void prefetch_line_l2(const char* p) {
+#if HWY_ARCH_X86
+    asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+  }
+
   /// Row (b, j, h, :) of a [B, L, H, d] tensor as dp floats (zero padded; all zero when !valid).
   void load_row(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j, std::int64_t h, bool valid,
                 float* out) const {

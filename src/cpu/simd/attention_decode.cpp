@@ -456,8 +456,12 @@ class decode_pass : public kernel<T> {
       const int keys = ws[0]->tile_keys[slots];  // the same tile for every head
       const int phase = phase_keys(keys);
       for (int t0 = 0; t0 < keys; t0 += phase) {
-        if (prefetch_phases()) prefetch_heads(p_.v, p_.v_stride, b, j0, hk0, n, t0 + phase, std::min(keys, t0 + 2 * phase));
-        for (int h = 0; h < n; ++h) accumulate_tile(*ws[h], slots, b, hk0 + h, j0, t0, std::min(keys, t0 + phase));
+        for (int h = 0; h < n; ++h) {
+          if (prefetch_phases()) {
+            prefetch_share(p_.v, p_.v_stride, b, j0, hk0, n, h, t0 + phase, std::min(keys, t0 + 2 * phase));
+          }
+          accumulate_tile(*ws[h], slots, b, hk0 + h, j0, t0, std::min(keys, t0 + phase));
+        }
       }
     };
     for (std::int64_t j0 = j_begin; j0 < j_end; j0 += w_) {
@@ -866,8 +870,8 @@ class decode_pass : public kernel<T> {
     const auto k_of = [&](int h) { return static_cast<const T*>(p_.k) + core::offset4(p_.k_stride, b, j0, hk0 + h, 0); };
     for (int t0 = 0; t0 < keys; t0 += phase) {
       const int t1 = std::min(keys, t0 + phase);
-      if (prefetch_phases()) prefetch_heads(p_.k, p_.k_stride, b, j0, hk0, n, t1, std::min(keys, t1 + phase));
       for (int h = 0; h < n; ++h) {
+        if (prefetch_phases()) prefetch_share(p_.k, p_.k_stride, b, j0, hk0, n, h, t1, std::min(keys, t1 + phase));
         if (!try_direct[h]) continue;
         decode_workspace& w = *ws[h];
         std::uint32_t t = 0;
@@ -901,17 +905,28 @@ class decode_pass : public kernel<T> {
   int phase_keys(int keys) const { return interleaved_ ? kDecodePhaseKeys : std::max(keys, 1); }
 
   /// Whether each phase requests the next phase's K and V rows of the task's kv heads into L2
-  /// (prefetch_heads): where the kv heads are interleaved and the direct path's Q K^T is
+  /// (prefetch_share): where the kv heads are interleaved and the direct path's Q K^T is
   /// bf16dot::decode_dots (a bf16 cache on avx3_bf16). A phase reads 32 keys of each head in turn,
   /// each head's rows Hkv d apart, and the hardware prefetcher does not run ahead of that; the
   /// Highway dot products request their next block's rows themselves (direct_dots), the vdpbf16ps
   /// ones did not. Zen 4, 2 threads, bf16 [B, L, Hkv, d] cache, Lk = 16384, a driver timing
   /// dfss::attention_forward after a 128 MiB read elsewhere, medians of 5 interleaved rounds, the
   /// same bits): GQA 32:8 dense 6.26 -> 4.86 ms, 2:4 6.27 -> 5.01 ms, 1:2 6.87 -> 5.49 ms; MHA 32:32
-  /// dense 16.1 -> 14.6 ms, 1:2 16.0 -> 15.0 ms (a [B, Hkv, L, d] cache: 2.4 and 8.2 ms dense). Two
-  /// phases ahead measured between none and one, four no gain; in fp32 (the Highway path, for
-  /// comparison) one phase ahead changed nothing (27.6 against 27.5 ms MHA).
+  /// dense 16.1 -> 14.6 ms, 1:2 16.0 -> 15.0 ms (a [B, Hkv, L, d] cache: 2.4 and 8.2 ms dense), the
+  /// requests all at the start of a phase; spread over its heads (prefetch_share) then GQA 4.82 ->
+  /// 4.54 ms and MHA 14.9 -> 13.9 ms. Two phases ahead measured between none and one, four no gain;
+  /// in fp32 (the Highway path, which requests its next block's rows already) 2-4% faster, within
+  /// the noise, so left as it was (25.1 -> 24.2 ms MHA, 7.4 -> 7.3 ms GQA).
   bool prefetch_phases() const { return interleaved_ && dot_; }
+
+  /// Head @p h's share (of @p n) of prefetch_heads over keys [@p t_begin, @p t_end): the keys split
+  /// evenly over the heads of the task, so that the requests go out while the phase computes, not
+  /// all before it.
+  void prefetch_share(const void* base, const std::int64_t* st, std::int64_t b, std::int64_t j0, std::int64_t hk0, int n,
+                      int h, int t_begin, int t_end) const {
+    const int span = std::max(0, t_end - t_begin);
+    prefetch_heads(base, st, b, j0, hk0, n, t_begin + h * span / n, t_begin + (h + 1) * span / n);
+  }
 
   /// Requests keys [@p t_begin, @p t_end) of tile j0 of kv heads hk0 .. hk0 + n - 1 into L2, in
   /// address order: the heads of a key are side by side (heads_interleaved), d values each.

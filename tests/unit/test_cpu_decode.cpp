@@ -434,9 +434,10 @@ TEST(CpuDecode, NearTiesAsFarApartAsTheBoundAllowsFollowTheFusedOrder) {
 }
 
 TEST(CpuDecode, ManyChunksAndEmptyRows) {
-  // A single (batch, kv head) pair: the cache is split into the most chunks (Lk / 512), so the
-  // merge folds over a hundred partial states; batch 1's sequence is empty (O = 0, LSE = -inf) and
-  // batch 2's ends inside a group; causal rows of a draft of 3 tokens.
+  // One kv head, three sequences: 43 chunks wanted per sequence (decode_chunk_keys), rounded up to
+  // whole key tiles, so 35 chunks of 2048 keys, each task walking two tiles and the merge folding
+  // 35 partial states per row; batch 1's sequence is empty (O = 0, LSE = -inf) and batch 2's ends
+  // inside a group; causal rows of a draft of 3 tokens.
   std::mt19937_64 rng(test_seed() + 103);
   shape s{3, 3, 70001, 4, 1, 8, true, false, {70001, 0, 30001}};
   const problem pr = make_problem(s, pattern{2, 4}, rng, /*integers=*/true);

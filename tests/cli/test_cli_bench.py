@@ -318,12 +318,13 @@ def main():
                   for a, b in zip(errors["f32"], errors["bf16"])),
               "out-dtype: every row's error differs between bf16 and f32 outputs, both small (got %r, %r)"
               % (errors["bf16"], errors["f32"]))
-    # The same for a decode step (a bf16 cache): there P stays fp32, so the f32 outputs are within the
-    # kernel's rounding and the bf16 ones add O's rounding.
+    # The same for a decode step (a bf16 cache, one row per kv head): there P stays fp32 on every
+    # target, so the f32 outputs are within the kernel's rounding and the bf16 ones add O's rounding.
+    # (With grouped heads on avx3_bf16 the key-major P V rounds P to bf16: the blhd check below.)
     errors = {}
     for extra, want_type in (([], "bf16"), (["--out-dtype", "f32"], "f32")):
         out_json = os.path.join(tmp, "decode_out_%s.json" % want_type)
-        p = run(exe, ["--decode", "--lengths", "300", "--decode-heads", "4:2", "--decode-dtypes", "bf16",
+        p = run(exe, ["--decode", "--lengths", "300", "--decode-heads", "4:4", "--decode-dtypes", "bf16",
                       "--patterns", "dense,1:2", "--iters", "1", "--threads", "2", "--no-torch", "--json", out_json] + extra)
         check(p.returncode == 0, "decode out-dtype %s: exit status 0 (got %d: %s)" % (want_type, p.returncode, p.stderr[-300:]))
         if p.returncode == 0:
@@ -420,8 +421,20 @@ def main():
     check(len(repro) == 1 and "--cache-layout blhd " in repro[0], "decode blhd: in the repro line (got %r)" % (repro,))
     rows = json.load(open(out))["rows"] if p.returncode == 0 else []
     dfss_rows = [r for r in rows if r["row"].startswith("dfss ")]
-    check(len(dfss_rows) == 4 and all(r["max_err"] is not None and r["max_err"] < 1e-5 for r in dfss_rows),
-          "decode blhd: every dfss row against the fp64 reference (got %r)" % [(r["row"], r["max_err"]) for r in dfss_rows])
+
+    def blhd_tol(r):
+        # Grouped heads (8:4) with a bf16 cache on avx3_bf16: the key-major P V takes vdpbf16ps with
+        # the weights rounded to bf16 (docs/semantics.md, "Precision"), each within 2^-8 of itself,
+        # so O within 2^-8 max|v|; max|v| of the 563,200 standard normal values is below 6 but with
+        # odds of about 1e-3. Elsewhere P stays fp32: the kernel's rounding, as in the f32 check.
+        if r.get("cache") == "bf16" and str(r.get("kernel", "")).endswith("avx3_bf16"):
+            return 2.0 ** -8 * 6
+        return 1e-5
+    check(len(dfss_rows) == 4 and all(r["max_err"] is not None and r["max_err"] < blhd_tol(r) for r in dfss_rows),
+          "decode blhd: every dfss row against the fp64 reference (got %r)"
+          % [(r["row"], r.get("kernel"), r["max_err"]) for r in dfss_rows])
+    check(any(r.get("cache") == "f32" for r in dfss_rows) and all(r["max_err"] < 1e-5 for r in dfss_rows if r.get("cache") == "f32"),
+          "decode blhd: the fp32 rows within the kernel's rounding (got %r)" % [(r["row"], r["max_err"]) for r in dfss_rows])
     # --decode with SDPA: the co-process (a stub of torch_decode.py --serve) is told to set up each
     # configuration, then times one call per round-robin turn (--iters per configuration and round),
     # checks the error, frees it; SDPA's row is its times, vs SDPA of every dfss row SDPA / row per

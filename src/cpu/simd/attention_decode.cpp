@@ -30,9 +30,9 @@
 //      tile's scores; a dense pattern's V is prefetched with K).
 // Where the cache's kv heads are interleaved in memory ([B, L, Hkv, d]: dfss's and flash-attn's
 // layout), a task is a block of kv heads of one chunk (decode_head_block), and each tile's direct
-// Q K^T and P V go in phases of kDecodePhaseKeys keys, every head of the block in turn, so that the
-// heads' segments of the same key rows are read close together; each head's arithmetic is what a
-// task of that head alone does, in the same order.
+// Q K^T and P V go in phases of kDecodePhaseKeys keys (the vdpbf16ps Q K^T: kDecodePhaseKeysDot),
+// every head of the block in turn, so that the heads' segments of the same key rows are read close
+// together; each head's arithmetic is what a task of that head alone does, in the same order.
 // Each task leaves its rows' partial state (max m_c, sum l_c, unnormalised accumulator, NaN flag).
 // The task that finishes the last chunk of a (batch, kv head) folds its chunks in increasing order
 // with the online softmax rescale (the same update the forward applies between key tiles): m = max(m, m_c),
@@ -117,8 +117,12 @@ inline bool heads_interleaved(const attention_params& p) { return p.heads_kv > 1
 /// 0.82x for 1:2, 0.95x with blocks of 4, 0.88x at 4096 keys; MHA 32:32 at 16384 keys the same time
 /// with blocks of 4, 8 or 32 while the heads took whole tiles in turn. With phases
 /// (kDecodePhaseKeys), against blocks of 8: MHA 32:32 blocks of 16 0.94x the time (dense) and 0.88x
-/// (1:2) at 16384 keys, 0.84x at 65536; blocks of 32 the same as 16.
-inline constexpr std::int64_t kDecodeHeadBlock = 16;
+/// (1:2) at 16384 keys, 0.84x at 65536; blocks of 32 the same as 16. On Zen 4 (bf16 cache,
+/// avx3_bf16, 2 threads, Lk = 16384, a driver timing dfss::attention_forward after a 128 MiB read
+/// elsewhere, 4 alternating rounds, the same bits) MHA 32:32 blocks of 32 took 11.3-12.1 ms against
+/// 13.6-15.0 with 16, the two halves of each key row then read by one thread; fp32 25.7-27.4
+/// against 24.9-28.6 ms, within the noise.
+inline constexpr std::int64_t kDecodeHeadBlock = 32;
 /// Tasks per thread that the kv heads' blocks aim for at least, for dynamic scheduling to balance.
 inline constexpr std::int64_t kDecodeTasksPerThread = 4;
 /// Keys per phase of a tile where the kv heads are interleaved (heads_interleaved): the tile's Q K^T
@@ -133,6 +137,20 @@ inline constexpr std::int64_t kDecodeTasksPerThread = 4;
 /// tiles: the same bits).
 inline constexpr int kDecodePhaseKeys = 32;
 static_assert(kDecodePhaseKeys == kKeyMajorBlock, "one key-major block of P V per phase");
+/// Keys per phase of the Q K^T (not the P V) where the kv heads are interleaved and the direct
+/// path's dot products are bf16dot::decode_dots (a bf16 cache on avx3_bf16 without the AMX tiles),
+/// whose scores do not depend on how the keys are cut into calls: with every head of a block in
+/// turn, a phase of 32 keys reads 32 rows' segments per head, one 4 KiB page each at MHA 32:32, and
+/// the hardware prefetcher, which streams within a page, lost track. Measured (Zen 4, 2 threads,
+/// bf16 [B, L, Hkv, d] cache, the driver of kDecodeHeadBlock, 3 alternating rounds, the same bits),
+/// against 32 keys: Lk = 65536 MHA 32:32 (blocks of 32 heads) 41-44 ms with 16 and 39-42 with 8,
+/// against 52-54 with 32 keys and blocks of 16; GQA 32:8 15.7-16.4 -> 13.9-14.8 (16) -> 13.0-13.6
+/// ms (8); at 16384 keys 4 or 2 keys per phase were slower than 8 (the per-call work of each head's
+/// turn). A read-only model of the orders (bench/head_phases.cpp, the same two threads, three runs
+/// on a noisy host) read MHA 32:32 at 0.51-0.77 of a plain sweep's rate with phases of 32 keys and
+/// blocks of 16 heads, at 0.93-1.33 with phases of 8 and blocks of 32; GQA 32:8 at 0.49-0.59 with
+/// phases of 32 keys, 0.73-0.87 with 8.
+inline constexpr int kDecodePhaseKeysDot = 8;
 
 /// Kv heads per task: 1, or where the kv heads are interleaved, up to kDecodeHeadBlock heads of one
 /// key chunk, taken tile by tile (decode_pass::task), so that the heads read the same keys one after
@@ -852,7 +870,7 @@ class decode_pass : public kernel<T> {
   /// address order, and dotted with every row of the head's group (direct_dots). That is the order
   /// the hardware prefetcher streams at the memory's rate: the panel path (a copy and a transpose
   /// per key, and software prefetch to make up for it) read the cache at 30-49% of a plain sweep
-  /// on one thread. Where the kv heads are interleaved, phase by phase (kDecodePhaseKeys keys, every
+  /// on one thread. Where the kv heads are interleaved, phase by phase (score_phase_keys keys, every
   /// head in turn); the dot products' blocks are the same either way. The scores differ from the
   /// fused forward's in rounding (another summation order), so the selection may differ from it
   /// where two scores of a group are within rounding of each other (settle_near_ties makes it the
@@ -865,7 +883,7 @@ class decode_pass : public kernel<T> {
 #if !HWY_HAVE_SCALABLE
     const int keys = static_cast<int>(std::min<std::int64_t>(w_, tile_end - j0));
     const std::int64_t step = p_.k_stride[1];
-    const int phase = phase_keys(keys);
+    const int phase = score_phase_keys(keys);
     std::uint32_t top[kDecodeHeadBlock] = {};
     const auto k_of = [&](int h) { return static_cast<const T*>(p_.k) + core::offset4(p_.k_stride, b, j0, hk0 + h, 0); };
     for (int t0 = 0; t0 < keys; t0 += phase) {
@@ -903,6 +921,10 @@ class decode_pass : public kernel<T> {
   /// Keys per phase of a tile of @p keys keys (kDecodePhaseKeys where the kv heads are interleaved,
   /// else the whole tile): a function of the shape and the layout only, like the chunks.
   int phase_keys(int keys) const { return interleaved_ ? kDecodePhaseKeys : std::max(keys, 1); }
+
+  /// Keys per phase of a tile's direct Q K^T: phase_keys, but kDecodePhaseKeysDot for the
+  /// vdpbf16ps dot products (the AMX tiles take blocks of 16 keys: they keep phase_keys).
+  int score_phase_keys(int keys) const { return interleaved_ && dot_ && !amx_ ? kDecodePhaseKeysDot : phase_keys(keys); }
 
   /// Whether each phase requests the next phase's K and V rows of the task's kv heads into L2
   /// (prefetch_share): where the kv heads are interleaved and the direct path's Q K^T is

@@ -928,8 +928,9 @@ class decode_pass : public kernel<T> {
 
   /// Whether each phase requests the next phase's K and V rows of the task's kv heads into L2
   /// (prefetch_share): where the kv heads are interleaved and the direct path's Q K^T is
-  /// bf16dot::decode_dots (a bf16 cache on avx3_bf16). A phase reads 32 keys of each head in turn,
-  /// each head's rows Hkv d apart, and the hardware prefetcher does not run ahead of that; the
+  /// bf16dot::decode_dots (a bf16 cache on avx3_bf16). A phase reads its keys (32; in the Q K^T 8
+  /// since kDecodePhaseKeysDot, 32 when measured below) of each head in turn, each head's rows Hkv d
+  /// apart, and the hardware prefetcher does not run ahead of that; the
   /// Highway dot products request their next block's rows themselves (direct_dots), the vdpbf16ps
   /// ones did not. Zen 4, 2 threads, bf16 [B, L, Hkv, d] cache, Lk = 16384, a driver timing
   /// dfss::attention_forward after a 128 MiB read elsewhere, medians of 5 interleaved rounds, the

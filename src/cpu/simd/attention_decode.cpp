@@ -1250,9 +1250,6 @@ class decode_pass : public kernel<T> {
   }
 
 #if !HWY_HAVE_SCALABLE
-  /// key_major_accumulate's plan of tile @p parity (its first phase): each row's weight of key t
-  /// at weights[r * wstride + t], and the nu keys read at ws.union_keys (none: nothing to add);
-  /// the accumulators saved in ws.acc_saved where there are keys to read.
   /// How many of the @p n marks at @p mark are not 0.
   static int count_marked(const std::int32_t* mark, int n) {
     const DI di;
@@ -1264,6 +1261,9 @@ class decode_pass : public kernel<T> {
     return static_cast<int>(count);
   }
 
+  /// key_major_accumulate's plan of tile @p parity (its first phase): each row's weight of key t
+  /// at weights[r * wstride + t], and the nu keys read at ws.union_keys (none: nothing to add);
+  /// the accumulators saved in ws.acc_saved where there are keys to read.
   key_major_plan plan_key_major(decode_workspace& ws, int parity) const {
     const int keys = ws.tile_keys[parity];
     std::int32_t* ukeys = ws.union_keys.ptr;

@@ -589,11 +589,16 @@ TEST(CpuDecode, SparseUnionOfKeptKeys) {
   // under 3/4 of it, so the key-major P V reads only those V rows, in increasing order with gaps
   // (the other decode shapes have groups of 4 to 20 rows, whose union is the whole tile). Odd and
   // even counts of kept keys per block of 32; d = 64 and 128 for the bf16 dot products' columns.
+  // Also as a [B, Hkv, L, d] cache (kv heads not interleaved), where a bf16 cache's P V on
+  // avx3_bf16 requests each next block's listed rows while it computes a block
+  // (kKeyMajorRequestsNext).
   std::mt19937_64 rng(test_seed() + 108);
   for (std::int64_t d : {64, 128}) {
     for (pattern pat : {pattern{1, 4}, pattern{1, 8}, pattern{2, 8}}) {
       const problem pr = make_problem(shape{1, 1, 1001, 4, 2, d, false, false, {}}, pat, rng, /*integers=*/true);
-      expect_matches_on_every_isa(pr, run_forward(pr), /*check_lse=*/true);
+      const auto want = run_forward(pr);
+      expect_matches_on_every_isa(pr, want, /*check_lse=*/true);
+      expect_matches_on_every_isa(pr, want, /*check_lse=*/true, /*bf16=*/true, /*bhld=*/true);
     }
   }
 }

@@ -198,6 +198,21 @@ inline constexpr bool kKeyMajorStreamsRows = HWY_TARGET <= HWY_AVX3 && !HWY_HAVE
 /// Whether key_major_accumulate, touching each block and then computing it in column passes,
 /// prefetches the next block's V rows during those passes (measured on AVX2 only; see there).
 inline constexpr bool kKeyMajorPrefetchesNext = HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4;
+/// Whether key_major_accumulate's vdpbf16ps P V (a bf16 cache on avx3_bf16, bf16dot::decode_pv;
+/// kv heads not interleaved) has each block's first call request the next block's V rows into L2,
+/// one row per pair of keys it computes, and reads a requested block without touching it first.
+/// Touched and then computed from L1, a block left the memory idle while it was computed: with
+/// its arithmetic skipped (a diagnostic build) a step took 0.86-0.95x the time. Measured (Zen 4, 2
+/// threads, GQA 32:8, d = 128, bf16 [B, Hkv, L, d] cache, Lq = 1, each call after a 128 MiB read
+/// elsewhere, the two forms alternating call by call in one process, 11-41 rounds, the median
+/// ratio of each round's times to a plain sweep of the cache in the same round; the same bits):
+/// dense Lk = 4096 1.29 -> 1.14x the sweep's time, 16384 1.26 -> 1.08x, 65536 1.24 -> 1.09x, 2:4
+/// at 16384 1.47 -> 1.26x. Requests alone (still touching) gave about half of that; requests all
+/// at once instead of spread, or into L1, less; two blocks ahead, slower than none; requests of K
+/// ahead in the Q K^T, and of a tile's first V block during its selection, no faster. Without the
+/// arithmetic (diagnostic builds whose loops only load) a step is slower than with it: the loads
+/// must not outrun the memory.
+inline constexpr bool kKeyMajorRequestsNext = true;
 
 #if HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_AVX2
 /// The lane sums of eight 16-lane (AVX-512) or 8-lane (AVX2) vectors, v[i]'s at key i % G of row
@@ -1362,8 +1377,12 @@ class decode_pass : public kernel<T> {
     // memory measured slower (0.87 -> 0.78 of the sweep).
     const int rows_per_pass = kKeyMajorStreamsRows && whole_tile && nv <= 8 ? kKeyMajorAccumulators / nv : 0;
     bool streamed = rows_per_pass >= 1;
+    bool requests_next = false;
 #if DFSS_SIMD_BF16_DOT
-    if constexpr (std::is_same_v<T, bfloat16>) streamed = streamed && !dot_;
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      streamed = streamed && !dot_;
+      requests_next = kKeyMajorRequestsNext && dot_ && !amx_ && !interleaved_;
+    }
 #endif
     // The register blocks (below): rows of a block given the rows left (both paths), and the touch
     // path's column vectors per pass given its rows and its passes over a block, for the prefetch
@@ -1405,18 +1424,22 @@ class decode_pass : public kernel<T> {
       // below read them from L1. Slices straight from memory (one 64-byte line of each 512-byte
       // row at a time on AVX2, four on AVX-512) lost the hardware prefetcher's stream: GQA 32:8,
       // fp32, one Zen 4 thread, AVX2 15.4 -> 9.2 ms, AVX-512 12.3-15.1 -> 9.8-12.8 ms (a noisy hour).
-      touch_rows(ws, v, step, n, key);
+      // Not where the previous block's decode_pv requested these rows into L2 (requests_next).
+      if (!(requests_next && k0 > u_lo)) touch_rows(ws, v, step, n, key);
 #if DFSS_SIMD_BF16_DOT
       if constexpr (std::is_same_v<T, bfloat16>) {
         if (dot_) {
           // A bf16 cache on avx3_bf16: vdpbf16ps over pairs of keys, the weights rounded to bf16 as
           // in the fused forward's P V (docs/semantics.md, "Precision"); a non-finite V value still
           // makes the accumulators non-finite (0 * inf is NaN there too), so the undo below holds.
+          // The first call requests the next block's rows of this phase (requests_next).
           static_assert(bf16dot::kDecodePvKeys == kKeyMajorBlock, "one call per key block");
+          const int ahead = requests_next ? std::clamp(u_hi - k0 - kKeyMajorBlock, 0, kKeyMajorBlock) : 0;
           for (int r0 = 0; r0 < rows_; r0 += bf16dot::kDecodeRows) {
             bf16dot::decode_pv(ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_, std::min(bf16dot::kDecodeRows, rows_ - r0),
                                dp_, d_, weights + static_cast<std::int64_t>(r0) * wstride, wstride, ukeys + k0, n,
-                               reinterpret_cast<const std::uint16_t*>(v), step);
+                               reinterpret_cast<const std::uint16_t*>(v), step, ukeys + k0 + kKeyMajorBlock,
+                               r0 == 0 ? ahead : 0);
           }
           continue;
         }

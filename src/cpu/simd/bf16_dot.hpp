@@ -91,7 +91,10 @@ inline constexpr int kDecodePvKeys = 32;
 /// kDecodePvKeys, @p keys increasing. Keys are taken in pairs (a last odd key paired with itself
 /// at weight 0), two rows' 32 values interleaved into (v_a[c], v_b[c]) lanes by unpacklo/hi_epi16,
 /// so the accumulators hold the columns permuted while the block runs (undone when stored).
+/// The rows v(ahead[i]), i < @p ahead_n (the next block's keys), are requested into L2 meanwhile,
+/// spread evenly over the block's pairs of keys (attention_decode.cpp, kKeyMajorRequestsNext).
 void decode_pv(float* acc, int rows, int dp, int d, const float* w, std::int64_t wstride, const std::int32_t* keys,
-               int n, const std::uint16_t* v, std::int64_t step) noexcept;
+               int n, const std::uint16_t* v, std::int64_t step, const std::int32_t* ahead = nullptr,
+               int ahead_n = 0) noexcept;
 
 }  // namespace dfss::cpu::bf16dot

@@ -317,12 +317,22 @@ void decode_pv_weights(const float* w, const std::int32_t* keys, int n, std::uin
   _mm512_storeu_si512(pairs, __builtin_bit_cast(__m512i, b));
 }
 
+/// Requests the cache lines of the @p d bf16 values at @p row into L2 (prefetcht1).
+void request_row_l2(const std::uint16_t* row, int d) noexcept {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int x = 0; x < 2 * d; x += 64) _mm_prefetch(bytes + x, _MM_HINT_T1);
+}
+
 /// decode_pv for R rows, NB blocks of 32 columns per slice of the columns (2 R NB <= 16
 /// accumulators). A block's accumulators in the unpacked order: lo lane i holds column 8 (i / 4) +
 /// i % 4 of the block, hi lane i that plus 4.
 template <int R, int NB>
 void decode_pv_rows(float* acc, int dp, int d, const std::uint32_t (*wp)[kDecodePvKeys / 2], const std::int32_t* keys,
-                    int n, const std::uint16_t* v, std::int64_t step) noexcept {
+                    int n, const std::uint16_t* v, std::int64_t step, const std::int32_t* ahead, int ahead_n) noexcept {
+  // The ahead rows spread over the pairs of keys of every slice of the columns.
+  const int steps = (d + 32 * NB - 1) / (32 * NB) * ((n + 1) / 2);
+  const int per_step = ahead_n > 0 ? (ahead_n + steps - 1) / steps : 0;
+  int requested = 0;
   const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   const __m512i from_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -346,6 +356,7 @@ void decode_pv_rows(float* acc, int dp, int d, const std::uint32_t (*wp)[kDecode
       }
     }
     for (int g = 0; g < pairs; ++g) {
+      for (int i = 0; i < per_step && requested < ahead_n; ++i) request_row_l2(v + ahead[requested++] * step, d);
       const std::uint16_t* a = v + keys[2 * g] * step + c0;
       const std::uint16_t* b = v + keys[2 * g + 1 < n ? 2 * g + 1 : 2 * g] * step + c0;
       __m512bh wr[R];
@@ -379,15 +390,15 @@ void decode_pv_rows(float* acc, int dp, int d, const std::uint32_t (*wp)[kDecode
 }  // namespace
 
 void decode_pv(float* acc, int rows, int dp, int d, const float* w, std::int64_t wstride, const std::int32_t* keys,
-               int n, const std::uint16_t* v, std::int64_t step) noexcept {
+               int n, const std::uint16_t* v, std::int64_t step, const std::int32_t* ahead, int ahead_n) noexcept {
   if (n <= 0) return;
   alignas(64) std::uint32_t wp[kDecodeRows][kDecodePvKeys / 2];
   for (int r = 0; r < rows; ++r) decode_pv_weights(w + r * wstride, keys, n, wp[r]);
   switch (rows) {
-    case 4: return decode_pv_rows<4, 2>(acc, dp, d, wp, keys, n, v, step);
-    case 3: return decode_pv_rows<3, 2>(acc, dp, d, wp, keys, n, v, step);
-    case 2: return decode_pv_rows<2, 4>(acc, dp, d, wp, keys, n, v, step);
-    default: return decode_pv_rows<1, 4>(acc, dp, d, wp, keys, n, v, step);
+    case 4: return decode_pv_rows<4, 2>(acc, dp, d, wp, keys, n, v, step, ahead, ahead_n);
+    case 3: return decode_pv_rows<3, 2>(acc, dp, d, wp, keys, n, v, step, ahead, ahead_n);
+    case 2: return decode_pv_rows<2, 4>(acc, dp, d, wp, keys, n, v, step, ahead, ahead_n);
+    default: return decode_pv_rows<1, 4>(acc, dp, d, wp, keys, n, v, step, ahead, ahead_n);
   }
 }
 

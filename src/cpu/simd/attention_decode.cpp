@@ -1438,8 +1438,8 @@ class decode_pass : public kernel<T> {
           for (int r0 = 0; r0 < rows_; r0 += bf16dot::kDecodeRows) {
             bf16dot::decode_pv(ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_, std::min(bf16dot::kDecodeRows, rows_ - r0),
                                dp_, d_, weights + static_cast<std::int64_t>(r0) * wstride, wstride, ukeys + k0, n,
-                               reinterpret_cast<const std::uint16_t*>(v), step, ukeys + k0 + kKeyMajorBlock,
-                               r0 == 0 ? ahead : 0);
+                               reinterpret_cast<const std::uint16_t*>(v), step,
+                               r0 == 0 && ahead > 0 ? ukeys + k0 + kKeyMajorBlock : nullptr, r0 == 0 ? ahead : 0);
           }
           continue;
         }

@@ -1160,8 +1160,10 @@ struct kernel {
     }
   }
 
-  /// Adds the bias to the tile row @p s of query qi and sets masked keys (j >= lim) to -inf.
-  HWY_INLINE void bias_and_mask(float* s, std::int64_t b, std::int64_t h, std::int64_t qi, std::int64_t j0, std::int64_t lim) const {
+  /// Adds the bias to the tile row @p s of query qi and sets masked keys (j >= lim) to -inf, those
+  /// of the first @p end keys of the tile (default all W) where the caller reads no further.
+  HWY_INLINE void bias_and_mask(float* s, std::int64_t b, std::int64_t h, std::int64_t qi, std::int64_t j0, std::int64_t lim,
+                                std::int64_t end = -1) const {
     const std::int64_t visible = std::max<std::int64_t>(0, lim - j0);  // keys of the tile below lim
     if (p_.bias != nullptr) {
       // Keys from lim on are set to -inf below: their bias is never read.
@@ -1172,7 +1174,8 @@ struct kernel {
         s[t] += static_cast<float>(core::load_as_double(p_.bias, p_.bias_type, base + (j0 + t) * p_.bias_stride[3]));
       }
     }
-    for (std::int64_t t = visible; t < w_; ++t) s[t] = -std::numeric_limits<float>::infinity();
+    const std::int64_t last = end < 0 ? w_ : end;
+    for (std::int64_t t = visible; t < last; ++t) s[t] = -std::numeric_limits<float>::infinity();
   }
 
   /// Adds the first whole vectors of @p n contiguous bias values from element @p at (f32, bf16 or
@@ -1199,12 +1202,14 @@ struct kernel {
   }
 
   /// Whether the tile row @p s holds a NaN or +inf score: either makes its row NaN
-  /// (docs/semantics.md, "Non-finite and extreme inputs"), kept or pruned.
-  bool row_has_nan_or_inf(const float* s) const {
+  /// (docs/semantics.md, "Non-finite and extreme inputs"), kept or pruned. @p width: the first keys
+  /// of the row to look at (default all W), a multiple of the vector's lanes.
+  bool row_has_nan_or_inf(const float* s, int width = 0) const {
     const DF d;
     const VF inf = hn::Set(d, std::numeric_limits<float>::infinity());
     auto bad = hn::FirstN(d, 0);  // all false
-    for (int t = 0; t < w_; t += lanes_) {
+    const int w = width > 0 ? width : w_;
+    for (int t = 0; t < w; t += lanes_) {
       const VF x = hn::Load(d, s + t);
       bad = hn::Or(bad, hn::Or(hn::IsNaN(x), hn::Eq(x, inf)));
     }

@@ -929,8 +929,8 @@ class decode_pass : public kernel<T> {
       decode_workspace& w = *ws[h];
       if (p_.pattern_n < p_.pattern_m) settle_near_ties(w, k_of(h), step, keys, std::bit_cast<float>(top[h]));
       // Keys at or past tile_end are masked for every row (the panel path's zero rows), as far as
-      // select_tile reads them (visible_width: the keys rounded up to compact_step()).
-      const int read = std::min(w_, (keys + this->compact_step() - 1) / this->compact_step() * this->compact_step());
+      // select_tile reads them (visible_width).
+      const int read = this->visible_width(j0 + keys, j0);
       for (int rr = 0; rr < rows_; ++rr) {
         std::fill(w.s.ptr + static_cast<std::int64_t>(rr) * w_ + keys, w.s.ptr + static_cast<std::int64_t>(rr) * w_ + read, 0.0f);
       }
@@ -1443,11 +1443,12 @@ class decode_pass : public kernel<T> {
           // The first call requests the next block's rows of this phase (requests_next).
           static_assert(bf16dot::kDecodePvKeys == kKeyMajorBlock, "one call per key block");
           const int ahead = requests_next ? std::clamp(u_hi - k0 - kKeyMajorBlock, 0, kKeyMajorBlock) : 0;
+          const std::int32_t* next = ahead > 0 ? ukeys + k0 + kKeyMajorBlock : nullptr;
           for (int r0 = 0; r0 < rows_; r0 += bf16dot::kDecodeRows) {
             bf16dot::decode_pv(ws.acc.ptr + static_cast<std::int64_t>(r0) * dp_, std::min(bf16dot::kDecodeRows, rows_ - r0),
                                dp_, d_, weights + static_cast<std::int64_t>(r0) * wstride, wstride, ukeys + k0, n,
-                               reinterpret_cast<const std::uint16_t*>(v), step,
-                               r0 == 0 && ahead > 0 ? ukeys + k0 + kKeyMajorBlock : nullptr, r0 == 0 ? ahead : 0);
+                               reinterpret_cast<const std::uint16_t*>(v), step, r0 == 0 ? next : nullptr,
+                               r0 == 0 ? ahead : 0);
           }
           continue;
         }
